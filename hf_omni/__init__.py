@@ -1,0 +1,20 @@
+"""hf_omni: train multi-module models with the Hugging Face stack.
+
+A composed model (`OmniModel`) of named HF sub-models, per-module training settings
+(`OmniTrainingArguments.modules`), the Accelerate plugin that applies them (`OmniPlugin`) and a thin
+`transformers.Trainer` over it (`OmniTrainer`).
+"""
+
+from .arguments import ModuleArguments, OmniArgumentError, OmniTrainingArguments
+from .config import OmniConfig
+from .modeling import OmniModel
+from .plugin import OmniPlugin
+from .projector import Projector, ProjectorConfig
+from .trainer import OmniTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig",
+]

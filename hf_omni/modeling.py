@@ -1,0 +1,186 @@
+"""`OmniModel`: a composed model of named Hugging Face sub-models (modules).
+
+Subclass it and write `forward`; each module is an attribute named by its key::
+
+    class Captioner(OmniModel):
+        def forward(self, pixel_values, input_ids, labels=None, **kw):
+            prefix = self.projector(self.vision(pixel_values=pixel_values).last_hidden_state)
+            embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
+            return self.llm(inputs_embeds=embeds, labels=labels, **kw)
+
+    model = Captioner.from_modules({"vision": vit, "projector": proj, "llm": lm}, processors={"llm": tok})
+    model.save_pretrained("out")        # out/config.json + out/<module>/ (each loads alone)
+    Captioner.from_pretrained("out")
+
+Loss normalisation: Trainer passes `num_items_in_batch` to a `forward` with `**kw` and counts it from
+the instance's `loss_type`. `label_shift = False` (default) counts every label that is not -100 (right
+when the forward prepends -100 labels and lets the LLM shift); `True` counts `labels[..., 1:]` (a
+forward that hands its labels straight to a causal LM). A forward that drops `**kw` gets its loss
+scaled by world size x accumulation steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .config import OmniConfig
+from .export import (
+    PROCESSOR_KINDS, has_adapter, load_adapter, load_processor, original_class, processor_kind, save_module,
+)
+
+
+def resolve_module_class(class_name: str, module: str) -> type[PreTrainedModel]:
+    """Find a module class by name among transformers, hf_omni and the Auto classes' registered models.
+
+    Never imports arbitrary code named in a config (that would be `trust_remote_code` by the back door).
+    """
+    import transformers
+
+    import hf_omni
+
+    candidates = [getattr(transformers, class_name, None), getattr(hf_omni, class_name, None)]
+    from transformers.models.auto import modeling_auto
+
+    for auto_name in dir(modeling_auto):
+        mapping = getattr(modeling_auto, auto_name)
+        extra = getattr(mapping, "_extra_content", None)
+        if isinstance(extra, dict):
+            candidates += [c for c in extra.values() if getattr(c, "__name__", None) == class_name]
+    for cls in candidates:
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    raise ValueError(
+        f"module {module!r}: class {class_name!r} is neither a transformers / hf_omni model nor registered with "
+        "an Auto class (register custom models with AutoModel.register)"
+    )
+
+
+class OmniModel(PreTrainedModel):
+    """A composed model. Modules are attributes; `config` is an `OmniConfig` recording them."""
+
+    config_class = OmniConfig
+    base_model_prefix = "omni"
+    main_input_name = "input_ids"
+    label_shift: bool = False
+    _supports_param_buffer_assignment = False
+
+    def __init__(self, config: OmniConfig, modules: dict[str, PreTrainedModel] | None = None,
+                 processors: dict[str, Any] | None = None):
+        super().__init__(config)
+        modules = dict(modules or {})
+        missing = [n for n in config.module_names if n not in modules]
+        if missing:
+            raise ValueError(f"OmniModel: modules {missing} are in the config but were not given")
+        for name in config.module_names:
+            if hasattr(type(self), name) or name in dict(self.named_children()):
+                raise ValueError(f"module {name!r}: the name clashes with an attribute of {type(self).__name__}")
+            setattr(self, name, modules[name])
+        self.processors: dict[str, Any] = dict(processors or {})
+        self.eval_modules: set[str] = set()  # fully frozen modules: kept in eval mode during training
+        self.loss_type = "ForCausalLM" if self.label_shift else None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_modules(cls, modules: dict[str, PreTrainedModel], processors: dict[str, Any] | None = None,
+                     sources: dict[str, str] | None = None) -> "OmniModel":
+        """Compose `modules` (name -> PreTrainedModel). A module loaded from a local folder records it as its
+        source (override with `sources`)."""
+        processors, sources = dict(processors or {}), dict(sources or {})
+        for name, module in modules.items():
+            if not isinstance(module, PreTrainedModel):
+                raise ValueError(f"module {name!r}: expected a transformers PreTrainedModel, got {type(module).__name__}")
+        for name in list(processors) + list(sources):
+            if name not in modules:
+                raise ValueError(f"module {name!r} has a processor or source but is not a module: {list(modules)}")
+        entries = []
+        for name, module in modules.items():
+            source = sources.get(name)
+            path = getattr(module.config, "_name_or_path", "") or ""
+            if source is None and path and os.path.isdir(path):
+                source = os.path.abspath(path)
+            entries.append({"name": name, "class": original_class(module).__name__, "subfolder": name,
+                            "source": source})
+        config = OmniConfig(modules=entries, omni_class=cls.__name__)
+        return cls(config, modules=modules, processors=processors)
+
+    @property
+    def module_names(self) -> list[str]:
+        return self.config.module_names
+
+    def omni_modules(self) -> dict[str, nn.Module]:
+        return {name: getattr(self, name) for name in self.module_names}
+
+    # -- training-mode handling -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        """Fully frozen modules stay in eval mode (their output is a pure function of their input)."""
+        super().train(mode)
+        for name in self.eval_modules:
+            getattr(self, name).eval()
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient sync in every wrapped module (Accelerate's `no_sync(model)` calls this)."""
+        wrapped = [m for m in self.omni_modules().values() if hasattr(m, "set_requires_gradient_sync")]
+        for m in wrapped:
+            m.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for m in wrapped:
+                m.set_requires_gradient_sync(True)
+
+    # -- save / load ----------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
+                        merge_lora: bool = False, **kwargs) -> None:
+        """Write `config.json` (OmniConfig) and one HF folder per module (with its processor)."""
+        if kwargs.get("state_dict") is not None:
+            raise ValueError("OmniModel.save_pretrained writes each module's own state; `state_dict=` is not supported")
+        if not is_main_process:
+            return
+        save_directory = str(save_directory)
+        os.makedirs(save_directory, exist_ok=True)
+        entries = []
+        for name, module in self.omni_modules().items():
+            entry = dict(self.config.module_entry(name))
+            entry["class"] = original_class(module).__name__
+            processor = self.processors.get(name)
+            entry["processor"] = processor_kind(processor) if processor is not None else None
+            save_module(module, os.path.join(save_directory, entry["subfolder"]), processor, merge_lora=merge_lora)
+            entries.append(entry)
+        config = OmniConfig(modules=entries, omni_class=type(self).__name__)
+        config.save_pretrained(save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs) -> "OmniModel":
+        """Rebuild the composed model from `save_pretrained` output (each module from its subfolder, or from its
+        recorded source when the subfolder is absent)."""
+        if args:
+            raise TypeError("OmniModel.from_pretrained takes the folder and keyword arguments only")
+        root = str(pretrained_model_name_or_path)
+        if not os.path.isfile(os.path.join(root, "config.json")):
+            raise FileNotFoundError(f"{root} has no config.json: not a saved OmniModel folder")
+        config = OmniConfig.from_pretrained(root)
+        modules, processors = {}, {}
+        for entry in config.modules:
+            name = entry["name"]
+            folder = os.path.join(root, entry["subfolder"])
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                folder = entry.get("source")
+                if not folder or not os.path.isdir(folder):
+                    raise FileNotFoundError(f"module {name!r}: no folder {entry['subfolder']!r} in {root} and no source")
+            module_cls = resolve_module_class(entry["class"], name)
+            module = module_cls.from_pretrained(folder, **kwargs)
+            if has_adapter(folder):
+                load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
+            modules[name] = module
+            kind = entry.get("processor")
+            if kind in PROCESSOR_KINDS:
+                processors[name] = load_processor(folder, kind)
+        return cls(config, modules=modules, processors=processors)

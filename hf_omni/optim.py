@@ -1,0 +1,113 @@
+"""One optimizer and one LR scheduler per trainable module, behind composites Trainer's loop can drive.
+
+State dicts are keyed by module name (never by position), so a checkpoint names every piece of state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments, get_scheduler
+from transformers.training_args import OptimizerNames
+
+from .arguments import ModuleArguments
+
+
+def build_module_optimizer(module: nn.Module, margs: ModuleArguments, base_args: TrainingArguments):
+    """The module's optimizer, built exactly as Trainer builds its own (decay / no-decay groups, `optim`,
+    `optim_args`, Adam betas / eps from the top level), with the module's learning rate and weight decay."""
+    args = copy.copy(base_args)
+    args.learning_rate = margs.learning_rate
+    args.weight_decay = margs.weight_decay
+    args.optim = OptimizerNames(margs.optim)
+    args.optim_args = margs.optim_args
+    decay = set(Trainer.get_decay_parameter_names(None, module))
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": margs.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, module)
+    for key in ("params", "model", "optimizer_dict"):
+        if key in optimizer_kwargs:
+            raise ValueError(f"modules.{margs.name}.optim: optimizer {margs.optim!r} builds its own parameter "
+                             "groups, which per-module optimizers do not support")
+    return optimizer_cls(groups, **optimizer_kwargs)
+
+
+def build_module_scheduler(optimizer, margs: ModuleArguments, num_training_steps: int):
+    return get_scheduler(
+        margs.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=margs.warmup_steps_for(num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs=dict(margs.lr_scheduler_kwargs or {}),
+    )
+
+
+class ModuleOptimizers:
+    """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = dict(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers.values() for group in opt.param_groups]
+
+    @property
+    def defaults(self) -> dict:
+        return next(iter(self.optimizers.values())).defaults
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ModuleOptimizers.step does not take a closure")
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != set(self.optimizers):
+            raise ValueError(f"optimizer state is for modules {sorted(state_dict)}, "
+                             f"but the trainable modules are {sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state_dict[name])
+
+    def __repr__(self) -> str:
+        return f"ModuleOptimizers({', '.join(f'{n}: {type(o).__name__}' for n, o in self.optimizers.items())})"
+
+
+class ModuleSchedulers:
+    """Steps every module's scheduler; `get_last_lr()` lists the modules' rates in module order."""
+
+    def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]):
+        self.schedulers = dict(schedulers)
+
+    def step(self):
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def get_last_lr(self) -> list[float]:
+        return [lr for sched in self.schedulers.values() for lr in sched.get_last_lr()]
+
+    def last_lr_by_module(self) -> dict[str, float]:
+        return {name: float(sched.get_last_lr()[0]) for name, sched in self.schedulers.items()}
+
+    def state_dict(self) -> dict:
+        return {name: sched.state_dict() for name, sched in self.schedulers.items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != set(self.schedulers):
+            raise ValueError(f"scheduler state is for modules {sorted(state_dict)}, "
+                             f"but the trainable modules are {sorted(self.schedulers)}")
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state_dict[name])
