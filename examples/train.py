@@ -19,17 +19,20 @@ from digits import build_model, caption_accuracy, load_splits  # noqa: E402
 from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
 
 
-def parse_args() -> OmniTrainingArguments:
+def parse_args(argv: list[str]) -> OmniTrainingArguments:
+    """`train.py config.yaml [--key value ...]`: the file's values, overridden by any CLI flags after it."""
     parser = HfArgumentParser(OmniTrainingArguments)
-    if len(sys.argv) == 2 and sys.argv[1].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(sys.argv[1])[0]
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        return parser.parse_json_file(sys.argv[1])[0]
-    return parser.parse_args_into_dataclasses()[0]
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+        import yaml
+
+        with open(argv[0]) as f:
+            parser.set_defaults(**yaml.safe_load(f))  # JSON is YAML too
+        argv = argv[1:]
+    return parser.parse_args_into_dataclasses(args=argv)[0]
 
 
 def main():
-    args = parse_args()
+    args = parse_args(sys.argv[1:])
     model = build_model(seed=args.seed)
     train_set, held_out = load_splits(model.processors["llm"])
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)

@@ -1,0 +1,123 @@
+"""FSDP2 per module: one Accelerate `FullyShardedDataParallelPlugin(fsdp_version=2)` per module, applied by
+hf_omni itself with `fully_shard` (Accelerate only shards its one global model, and never on CPU).
+
+- The plugin is built with the environment's `FSDP_*` variables hidden and the environment restored after
+  (Accelerate reads unset fields from them and writes `FSDP_CPU_RAM_EFFICIENT_LOADING`).
+- Wrap units: the plugin's auto-wrap policy (Accelerate's helper), the input embeddings as their own unit
+  (the composed forward calls them before the module's own forward), then the module root.
+- Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
+  does not claim to be a root itself; methods other than `forward` that the composed forward calls
+  (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from .arguments import ModuleArguments, OmniArgumentError
+
+FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
+                   "get_video_features", "encode", "decode")
+_OWN_KEYS = ("reshard_after_backward",)  # applied by hf_omni, not Accelerate plugin fields
+
+
+@contextlib.contextmanager
+def isolated_fsdp_environment():
+    """Hide `FSDP_*` variables while a plugin is built, and undo whatever it writes to the environment."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("FSDP_")]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+def _mixed_precision(value):
+    if value is None or value == "no":
+        return None
+    if isinstance(value, dict):
+        return {k: getattr(torch, v) if isinstance(v, str) else v for k, v in value.items()}
+    return value
+
+
+def build_fsdp_plugin(module: nn.Module, margs: ModuleArguments):
+    """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    settings = {k: v for k, v in (margs.fsdp_plugin or {}).items() if k not in _OWN_KEYS}
+    size_based = "min_num_params" in settings
+    wrap_names = settings.pop("transformer_cls_names_to_wrap", None)
+    if not size_based and wrap_names is None:
+        wrap_names = list(getattr(module, "_no_split_modules", None) or [])
+    if isinstance(wrap_names, str):
+        wrap_names = [wrap_names]
+    kwargs = dict(
+        fsdp_version=2,
+        reshard_after_forward=settings.pop("reshard_after_forward", True),
+        cpu_offload=settings.pop("cpu_offload", False),
+        cpu_ram_efficient_loading=settings.pop("cpu_ram_efficient_loading", False),
+        mixed_precision_policy=_mixed_precision(settings.pop("mixed_precision", None)),
+        ignored_modules=settings.pop("ignored_modules", None),
+        activation_checkpointing=False,
+        state_dict_type="SHARDED_STATE_DICT",
+        auto_wrap_policy="size_based_wrap" if size_based else "transformer_based_wrap",
+    )
+    if size_based:
+        kwargs["min_num_params"] = settings.pop("min_num_params")
+    else:
+        kwargs["transformer_cls_names_to_wrap"] = wrap_names
+    if settings:
+        raise OmniArgumentError(margs.name, f"fsdp_plugin.{next(iter(settings))}", "unknown key")
+    try:
+        with isolated_fsdp_environment():
+            plugin = FullyShardedDataParallelPlugin(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise OmniArgumentError(margs.name, "fsdp_plugin", str(err)) from None
+    plugin.reshard_after_backward = (margs.fsdp_plugin or {}).get("reshard_after_backward", True)
+    return plugin
+
+
+def shard_module(module: nn.Module, plugin, device: torch.device) -> nn.Module:
+    """Apply `plugin` to `module` in place with `fully_shard` over all ranks."""
+    import torch.distributed as dist
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward,
+                  offload_policy=plugin.cpu_offload or OffloadPolicy(),
+                  mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+    if plugin.ignored_modules is not None:
+        from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, module, device)
+    try:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, module)
+    except ValueError as err:
+        raise OmniArgumentError(None, "fsdp_plugin.transformer_cls_names_to_wrap", str(err)) from None
+    if policy is not None:
+        for sub in get_module_children_bottom_up(module)[:-1]:
+            if policy(sub) and not isinstance(sub, FSDPModule):
+                fully_shard(sub, **kwargs)
+    embed = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    out_embed = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    tied = embed is not None and out_embed is not None and embed.weight is out_embed.weight
+    if embed is not None and not tied and not isinstance(embed, FSDPModule):
+        fully_shard(embed, **kwargs)
+    fully_shard(module, **kwargs)
+    module._get_fsdp_state()._lazy_init()  # root first: a unit called before the root must not become one
+    if not plugin.reshard_after_backward:
+        module.set_reshard_after_backward(False, recurse=True)
+    for name in FORWARD_METHODS:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    return module
