@@ -95,6 +95,8 @@ def check_fsdp_plugin(module: str | None, settings: dict) -> None:
         if key not in FSDP_PLUGIN_KEYS:
             raise OmniArgumentError(module, f"fsdp_plugin.{key}",
                                     f"unknown key; known: {sorted(FSDP_PLUGIN_KEYS)}")
+        if value is None:  # in an overlay: removes the inherited setting
+            continue
         _check_type(module, f"fsdp_plugin.{key}", value, FSDP_PLUGIN_KEYS[key])
     if "min_num_params" in settings and settings.get("transformer_cls_names_to_wrap"):
         raise OmniArgumentError(module, "fsdp_plugin.min_num_params",
@@ -152,10 +154,12 @@ class ModuleArguments:
     parallel_from_module: bool = False   # a frozen module is wrapped only when its own entry asks
     fsdp_plugin: dict = field(default_factory=dict)
 
-    def warmup_steps_for(self, num_training_steps: int) -> int:
+    def warmup_steps_for(self, num_training_steps: int | None) -> int:
         """As TrainingArguments 5.x: a value < 1 is a ratio of the training steps."""
-        if self.warmup_steps >= 1:
+        if self.warmup_steps >= 1 or self.warmup_steps == 0:
             return int(self.warmup_steps)
+        if num_training_steps is None:
+            raise OmniArgumentError(self.name, "warmup_steps", "a ratio needs the number of training steps")
         return math.ceil(num_training_steps * self.warmup_steps)
 
 

@@ -91,8 +91,10 @@ class ModuleSchedulers:
 
     def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]):
         self.schedulers = dict(schedulers)
+        self.stepped_lr: dict[str, float] = {}  # the rates the last optimizer step used
 
     def step(self):
+        self.stepped_lr = self.last_lr_by_module()
         for sched in self.schedulers.values():
             sched.step()
 

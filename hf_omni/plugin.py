@@ -160,10 +160,11 @@ class OmniPlugin:
         return total
 
     def log_metrics(self) -> dict[str, float]:
-        """`grad_norm/<module>` (last clipped step, pre-clip) and `lr/<module>` (current)."""
+        """`grad_norm/<module>` (pre-clip) and `lr/<module>` (the rate it used) of the last optimizer step."""
         logs = {f"grad_norm/{name}": float(norm) for name, norm in self.grad_norms.items()}
         if self.scheduler is not None:
-            logs.update({f"lr/{name}": lr for name, lr in self.scheduler.last_lr_by_module().items()})
+            lrs = self.scheduler.stepped_lr or self.scheduler.last_lr_by_module()
+            logs.update({f"lr/{name}": lr for name, lr in lrs.items()})
         return logs
 
 

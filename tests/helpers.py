@@ -1,0 +1,96 @@
+"""Shared test helpers: a tiny composed model, its data, arguments and a hand-written reference loop."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+from transformers import get_scheduler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from digits import Captioner, build_model, load_splits  # noqa: E402
+
+from hf_omni import OmniTrainingArguments  # noqa: E402
+
+
+def tiny_model(seed: int = 0, vision_dropout: float = 0.0) -> Captioner:
+    return build_model(hidden=32, layers=1, llm_hidden=32, llm_layers=1, seed=seed, vision_dropout=vision_dropout)
+
+
+def tiny_data(model, n: int = 64):
+    train, _ = load_splits(model.processors["llm"])
+    return torch.utils.data.Subset(train, range(n))
+
+
+def make_args(output_dir, **overrides) -> OmniTrainingArguments:
+    base = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                logging_steps=1, train_sampling_strategy="sequential", optim="adamw_torch", seed=0,
+                dataloader_drop_last=True, per_device_train_batch_size=8, max_steps=4)
+    base.update(overrides)
+    return OmniTrainingArguments(**base)
+
+
+def step_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def batches(dataset, batch_size: int):
+    for start in range(0, len(dataset) - batch_size + 1, batch_size):
+        items = [dataset[i] for i in range(start, start + batch_size)]
+        yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def reference_train(model, dataset, steps: int, batch_size: int, settings: dict, clip_scope: str = "per_module",
+                    global_max_norm: float = 1.0):
+    """Plain PyTorch: one AdamW + scheduler per trainable module, clipping per module or global.
+
+    settings: {module: {"lr", "weight_decay", "scheduler", "warmup", "max_norm"}} for trainable modules; any other
+    module is frozen (eval mode, no grad). Decay groups: tensors of 2+ dims decay, the rest do not."""
+    optimizers, schedulers = {}, {}
+    for name, module in model.omni_modules().items():
+        if name not in settings:
+            module.requires_grad_(False)
+            continue
+        s = settings[name]
+        params = [p for p in module.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": s.get("weight_decay", 0.0)},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        optimizers[name] = torch.optim.AdamW([g for g in groups if g["params"]], lr=s["lr"])
+        schedulers[name] = get_scheduler(s.get("scheduler", "linear"), optimizers[name],
+                                         num_warmup_steps=s.get("warmup", 0), num_training_steps=steps)
+    model.train()
+    for name, module in model.omni_modules().items():
+        if name not in settings:
+            module.eval()
+    losses = []
+    for _, batch in zip(range(steps), batches(dataset, batch_size)):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: [p for p in getattr(model, n).parameters() if p.grad is not None] for n in optimizers}
+        if clip_scope == "global":
+            torch.nn.utils.clip_grad_norm_([p for ps in grads.values() for p in ps], global_max_norm)
+        else:
+            for name, params in grads.items():
+                if settings[name].get("max_norm"):
+                    torch.nn.utils.clip_grad_norm_(params, settings[name]["max_norm"])
+        for name in optimizers:
+            optimizers[name].step()
+            schedulers[name].step()
+            optimizers[name].zero_grad()
+    return losses
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+def assert_state_close(a: dict, b: dict, atol: float):
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = (a[key].float() - b[key].float()).abs().max().item()
+        assert diff <= atol, f"{key}: max |diff| {diff} > {atol}"

@@ -1,0 +1,169 @@
+"""OmniModel: composition, save_pretrained / from_pretrained, each module folder loading alone, loss counting."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import Captioner, make_args, step_losses, tiny_data, tiny_model
+from peft import LoraConfig, PeftModel, inject_adapter_in_model
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from hf_omni import OmniConfig, OmniModel, OmniTrainer, Projector, ProjectorConfig
+
+
+def _inputs(model, n=4):
+    data = tiny_data(model, n)
+    return {k: torch.stack([data[i][k] for i in range(n)]) for k in ("pixel_values", "input_ids", "labels")}
+
+
+def test_save_load_roundtrip_and_each_module_alone(tmp_path):
+    model = tiny_model().eval()
+    torch.manual_seed(3)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False), model.llm)
+    batch = _inputs(model)
+    expected = model(**batch)
+    model.save_pretrained(tmp_path)
+
+    root = json.loads((tmp_path / "config.json").read_text())
+    assert root["model_type"] == "hf_omni"
+    assert [m["name"] for m in root["modules"]] == ["vision", "projector", "llm"]
+    assert {m["name"]: m["class"] for m in root["modules"]} == {
+        "vision": "ViTModel", "projector": "Projector", "llm": "LlamaForCausalLM"}
+
+    loaded = Captioner.from_pretrained(tmp_path).eval()
+    assert type(loaded) is Captioner and isinstance(loaded.config, OmniConfig)
+    got = loaded(**batch)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.loss, expected.loss)
+
+    # every module folder loads alone with the Auto class that fits it
+    vision = AutoModel.from_pretrained(tmp_path / "vision").eval()
+    pixels = batch["pixel_values"]
+    assert torch.equal(vision(pixel_values=pixels).last_hidden_state,
+                       model.vision(pixel_values=pixels).last_hidden_state)
+    projector = AutoModel.from_pretrained(tmp_path / "projector")
+    assert isinstance(projector, Projector)
+    feats = torch.randn(2, 5, 32)
+    assert torch.equal(projector(feats), model.projector(feats))
+    embeds = torch.randn(2, 6, 32)
+    llm = AutoModelForCausalLM.from_pretrained(tmp_path / "llm").eval()  # base weights + adapter beside them
+    assert torch.allclose(llm(inputs_embeds=embeds).logits, model.llm(inputs_embeds=embeds).logits, atol=1e-6)
+    plain = tmp_path / "base_only"  # the base weights alone, then PEFT's own loader adds the adapter
+    plain.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (plain / name).write_bytes((tmp_path / "llm" / name).read_bytes())
+    base = LlamaForCausalLM.from_pretrained(plain)
+    assert not hasattr(base, "peft_config")
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "llm").eval()
+    assert torch.allclose(peft_model(inputs_embeds=embeds).logits, model.llm(inputs_embeds=embeds).logits, atol=1e-6)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llm")
+    assert tokenizer.convert_tokens_to_ids("seven") == model.processors["llm"].convert_tokens_to_ids("seven")
+    assert "llm" in loaded.processors
+
+
+def test_merged_lora_export_is_a_plain_model(tmp_path):
+    model = tiny_model().eval()
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False), model.llm)
+    model.save_pretrained(tmp_path, merge_lora=True)
+    assert not os.path.exists(tmp_path / "llm" / "adapter_config.json")
+    llm = AutoModelForCausalLM.from_pretrained(tmp_path / "llm").eval()
+    embeds = torch.randn(2, 6, 32)
+    assert torch.allclose(llm(inputs_embeds=embeds).logits, model.llm(inputs_embeds=embeds).logits, atol=1e-5)
+
+
+def test_source_recorded_for_module_loaded_from_folder(tmp_path):
+    encoder = Projector(ProjectorConfig(in_features=4, out_features=4))
+    encoder.save_pretrained(tmp_path / "released")
+    released = Projector.from_pretrained(tmp_path / "released")
+
+    class Two(OmniModel):
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    model = Two.from_modules({"encoder": released, "head": Projector(ProjectorConfig(in_features=4, out_features=2))})
+    assert model.config.module_entry("encoder")["source"] == str(tmp_path / "released")
+    assert model.config.module_entry("head")["source"] is None
+    model.save_pretrained(tmp_path / "out")
+    import shutil
+
+    shutil.rmtree(tmp_path / "out" / "encoder")  # reloads from its recorded source
+    again = Two.from_pretrained(tmp_path / "out")
+    x = torch.randn(3, 4)
+    assert torch.equal(again(x), model(x))
+
+
+def test_bad_composition_errors():
+    with pytest.raises(ValueError, match="module 'x'.*PreTrainedModel"):
+        OmniModel.from_modules({"x": torch.nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match="module 'train'.*clashes"):
+        OmniModel.from_modules({"train": Projector(ProjectorConfig(in_features=2, out_features=2))})
+    with pytest.raises(ValueError, match="module 'tok'"):
+        OmniModel.from_modules({"p": Projector(ProjectorConfig(2, 2))}, processors={"tok": object()})
+
+
+class ShiftedTextLM(OmniModel):
+    """Hands its labels straight to a causal LM: every label after the first is a target."""
+
+    label_shift = True
+
+    def forward(self, input_ids, labels=None, **kw):
+        return self.llm(input_ids=input_ids, labels=labels, **kw)
+
+
+class DropsKwargs(Captioner):
+    """Accepts **kw (so Trainer passes num_items_in_batch) but never hands it on: the documented pitfall."""
+
+    def forward(self, pixel_values, input_ids, labels=None, **kw):
+        return super().forward(pixel_values, input_ids, labels)
+
+
+class _Text(torch.utils.data.Dataset):
+    def __init__(self, n=32, length=7, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(4, 19, (n, length), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(n):  # ragged targets so that the count matters
+            self.labels[i, length - 1 - (i % 4):] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_label_shift_counts_shifted_labels(tmp_path, accumulation):
+    torch.manual_seed(0)
+    llm = tiny_model().llm
+    model = ShiftedTextLM.from_modules({"llm": llm})
+    assert model.loss_type == "ForCausalLM"
+    data = _Text()
+    reference = ShiftedTextLM.from_modules({"llm": __import__("copy").deepcopy(llm)})
+    args = make_args(tmp_path, per_device_train_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation,
+                     max_steps=2, learning_rate=1e-3)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    # the first logged loss is the exact token mean over the whole 8-sample batch
+    batch = {k: torch.stack([data[i][k] for i in range(8)]) for k in ("input_ids", "labels")}
+    assert step_losses(trainer)[0] == pytest.approx(reference(**batch).loss.item(), abs=1e-6)
+
+
+def test_default_counts_every_label(tmp_path):
+    model = tiny_model()
+    assert model.loss_type is None  # every label that is not -100 counts (the prefix is -100, the LM shifts)
+
+
+def test_forward_dropping_kwargs_scales_loss_by_accumulation(tmp_path):
+    """Documented pitfall: a forward that swallows **kw gets a loss scaled by accumulation steps (x world size)."""
+    torch.manual_seed(0)
+    base = tiny_model()
+    model = DropsKwargs(base.config, modules=base.omni_modules(), processors=base.processors)
+    data = tiny_data(model)
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("pixel_values", "input_ids", "labels")}
+    mean_loss = model(**batch).loss.item()
+    args = make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+                     learning_rate=0.0)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert step_losses(trainer)[0] == pytest.approx(2 * mean_loss, rel=1e-3)
