@@ -82,6 +82,7 @@ class OmniModel(PreTrainedModel):
                 raise ValueError(f"module {name!r}: the name clashes with an attribute of {type(self).__name__}")
             setattr(self, name, modules[name])
         self.processors: dict[str, Any] = dict(processors or {})
+        self._num_parameters: dict[bool, int] = {}
         self.eval_modules: set[str] = set()  # fully frozen modules: kept in eval mode during training
         self.loss_type = "ForCausalLM" if self.label_shift else None
 
@@ -115,6 +116,12 @@ class OmniModel(PreTrainedModel):
 
     def omni_modules(self) -> dict[str, nn.Module]:
         return {name: getattr(self, name) for name in self.module_names}
+
+    def floating_point_ops(self, input_dict, exclude_embeddings: bool = True) -> int:
+        """Trainer calls this every step: 6 x tokens x parameters, with the parameter count cached."""
+        if exclude_embeddings not in self._num_parameters:
+            self._num_parameters[exclude_embeddings] = self.num_parameters(exclude_embeddings=exclude_embeddings)
+        return 6 * self.estimate_tokens(input_dict) * self._num_parameters[exclude_embeddings]
 
     # -- training-mode handling -----------------------------------------------------------------
     def train(self, mode: bool = True):

@@ -53,6 +53,7 @@ class OmniPlugin:
         self.scheduler: ModuleSchedulers | None = None
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.model: OmniModel | None = None
+        self._params: dict[str, list[nn.Parameter]] = {}  # each trainable module's trainable parameters
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -79,6 +80,7 @@ class OmniPlugin:
         model = accelerator.prepare_model(model, evaluation_mode=True)  # placement + autocast; never DDP-wrapped
         self._wrap_modules(model, accelerator.device)
         self.model = model
+        self._params = {n: [p for p in getattr(model, n).parameters() if p.requires_grad] for n in self.trainable}
         self.build_optimizers(num_training_steps)
         model.train()
         return model, self.optimizer, self.scheduler
@@ -143,8 +145,7 @@ class OmniPlugin:
         combined pre-clip norm sqrt(sum of the modules' squared norms). DTensor-aware."""
         from torch.nn.utils import clip_grads_with_norm_
 
-        grads_by_module = {name: [p for p in getattr(self.model, name).parameters() if p.grad is not None]
-                           for name in self.trainable}
+        grads_by_module = {name: [p for p in params if p.grad is not None] for name, params in self._params.items()}
         self.grad_norms = {name: module_grad_norm(params) for name, params in grads_by_module.items()}
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in self.grad_norms.values()]))
         if self.args.grad_clip_scope == "global":

@@ -1,0 +1,173 @@
+"""Step-time overhead of OmniTrainer on the demo model, 2 gloo ranks on CPU, measured side by side.
+
+    python bench/overhead.py            # launches itself with accelerate (2 processes)
+
+Variants, interleaved over rounds so that machine noise hits all of them alike:
+  omni       OmniTrainer with the demo's per-module settings (projector at 3x the learning rate)
+  reference  a hand-written loop: the same modules replicated in place (composable replicate), the same
+             global token normalisation, one AdamW + scheduler per module, per-module clipping
+  trainer    plain transformers.Trainer, DDP over the whole model, the same learning rates as param groups
+Prints the median step time of each and the ratios omni / reference and omni / trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+WARMUP, MEASURED, ROUNDS, BATCH = 10, 60, 5, 64
+LRS = {"vision": 1e-3, "projector": 3e-3, "llm": 1e-3}
+TOTAL_STEPS = WARMUP + MEASURED
+
+
+def launch():
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", __file__, "--worker"]
+    sys.exit(subprocess.call(cmd))
+
+
+def _args(output_dir, **kw):
+    from hf_omni import OmniTrainingArguments
+
+    return OmniTrainingArguments(
+        output_dir=output_dir, max_steps=TOTAL_STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-3,
+        lr_scheduler_type="cosine", use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=10_000, dataloader_drop_last=True, optim="adamw_torch", seed=0, **kw)
+
+
+class StepTimer:
+    """Collects the wall time of each optimizer step after the warm-up."""
+
+    def __init__(self):
+        self.times, self.last = [], None
+
+    def tick(self):
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+    def measured(self):
+        return self.times[WARMUP - 1:]
+
+
+def run_omni(train_set):
+    from digits import build_model
+    from transformers import TrainerCallback
+
+    from hf_omni import OmniTrainer
+
+    timer = StepTimer()
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            timer.tick()
+
+    model = build_model()
+    modules = {name: {"learning_rate": lr} for name, lr in LRS.items()}
+    trainer = OmniTrainer(model=model, args=_args("/tmp/hf_omni_bench/omni", modules=modules),
+                          train_dataset=train_set, callbacks=[Tick()])
+    trainer.train()
+    return timer.measured()
+
+
+def run_trainer(train_set):
+    import torch
+    from digits import build_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    timer = StepTimer()
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            timer.tick()
+
+    model = build_model()
+    groups = [{"params": list(getattr(model, n).parameters()), "lr": lr} for n, lr in LRS.items()]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    args = TrainingArguments(
+        output_dir="/tmp/hf_omni_bench/trainer", max_steps=TOTAL_STEPS, per_device_train_batch_size=BATCH,
+        learning_rate=1e-3, lr_scheduler_type="cosine", use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=10_000, dataloader_drop_last=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, optimizers=(optimizer, None),
+                      callbacks=[Tick()])
+    trainer.train()
+    return timer.measured()
+
+
+def run_reference(train_set):
+    import torch
+    from accelerate import Accelerator
+    from digits import build_model
+    from torch.distributed._composable.replicate import replicate
+    from transformers import get_scheduler
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model()
+    optimizers, schedulers = {}, {}
+    for name, lr in LRS.items():
+        module = getattr(model, name)
+        replicate(module)
+        replicate.state(module).lazy_init()
+        optimizers[name] = torch.optim.AdamW(module.parameters(), lr=lr)
+        schedulers[name] = get_scheduler("cosine", optimizers[name], num_warmup_steps=0,
+                                         num_training_steps=TOTAL_STEPS)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(train_set, batch_size=BATCH, shuffle=True,
+                                                             drop_last=True))
+    timer = StepTimer()
+    model.train()
+    step = 0
+    while step < TOTAL_STEPS:
+        for batch in loader:
+            # the same global token normalisation Trainer applies (sum over all ranks' targets)
+            num_items = (batch["labels"] != -100).sum()
+            torch.distributed.all_reduce(num_items)
+            loss = model(**batch, num_items_in_batch=num_items).loss * accelerator.num_processes
+            loss.backward()
+            for name in LRS:
+                torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), 1.0)
+            for name in LRS:
+                optimizers[name].step()
+                schedulers[name].step()
+                optimizers[name].zero_grad()
+            timer.tick()
+            step += 1
+            if step == TOTAL_STEPS:
+                break
+    return timer.measured()
+
+
+def worker():
+    import torch.distributed as dist
+    from digits import build_tokenizer, load_splits
+
+    train_set, _ = load_splits(build_tokenizer())
+    runs = {"omni": run_omni, "reference": run_reference, "trainer": run_trainer}
+    times = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, fn in runs.items():
+            times[name] += fn(train_set)
+            dist.barrier()
+    if dist.get_rank() == 0:
+        median = {name: statistics.median(t) * 1000 for name, t in times.items()}
+        print(f"\nbench/overhead.py: demo model, 2 gloo ranks, batch {BATCH}/rank, "
+              f"{ROUNDS} rounds x {MEASURED} measured steps")
+        print("| variant | median step (ms) |")
+        print("|---|---|")
+        for name, value in median.items():
+            print(f"| {name} | {value:.1f} |")
+        print("\n| ratio | value | goal |")
+        print("|---|---|---|")
+        print(f"| OmniTrainer / reference loop | {median['omni'] / median['reference']:.3f} | <= 1.03 |")
+        print(f"| OmniTrainer / plain Trainer (DDP) | {median['omni'] / median['trainer']:.3f} | <= 1.02 |")
+
+
+if __name__ == "__main__":
+    worker() if "--worker" in sys.argv else launch()
