@@ -40,8 +40,8 @@ def main():
     trainer.train()
     seconds = time.perf_counter() - start
     trainer.save_model()
+    accuracy = caption_accuracy(model, held_out)  # every rank: sharded modules run collectives
     if trainer.is_world_process_zero():
-        accuracy = caption_accuracy(model, held_out)
         print(f"held-out caption accuracy: {accuracy:.1%} ({len(held_out)} images) after {args.max_steps} steps, "
               f"{seconds:.0f} s of training; export in {args.output_dir}")
 

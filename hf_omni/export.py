@@ -44,26 +44,42 @@ def lora_config_of(module: nn.Module):
     return configs.get("default") if isinstance(configs, dict) else None
 
 
-def base_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with LoRA adapters removed and `base_layer` folded back: the original keys."""
-    out = {}
-    for key, value in module.state_dict().items():
-        if ".lora_" in key or key.startswith("lora_"):
-            continue
-        out[key.replace(".base_layer.", ".")] = value
-    return out
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Base weights with every LoRA delta added in: a plain model's state dict."""
-    from peft.tuners.lora import LoraLayer
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full state dict. A sharded (FSDP2) module is gathered — a collective every rank must join —
+    and only rank 0 receives the tensors (on CPU, one at a time); other ranks get `{}`."""
+    if not is_sharded(module):
+        return module.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = base_state_dict(module)
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with LoRA adapters removed and `base_layer` folded back: the original keys."""
+    return {key.replace(".base_layer.", "."): value for key, value in state.items()
+            if ".lora_" not in key and not key.startswith("lora_")}
+
+
+def merged_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base weights with every LoRA delta (B @ A x scaling) added in: a plain model's state dict."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.utils.other import transpose
+
+    merged = base_state_dict(state)
     for name, sub in module.named_modules():
-        if isinstance(sub, LoraLayer) and "default" in sub.lora_A:
-            key = f"{name}.weight"
-            state[key] = state[key] + sub.get_delta_weight("default").to(state[key].dtype)
-    return state
+        if isinstance(sub, LoraLinear) and "default" in sub.lora_A:
+            a, b = state[f"{name}.lora_A.default.weight"], state[f"{name}.lora_B.default.weight"]
+            delta = transpose(b.float() @ a.float(), sub.fan_in_fan_out) * sub.scaling["default"]
+            merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta.to(merged[f"{name}.weight"].dtype)
+        elif hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
+            raise NotImplementedError(f"merging LoRA into {type(sub).__name__} layers ({name}) is not supported")
+    return merged
 
 
 def _fix_architectures(folder: str, cls: type) -> None:
@@ -91,14 +107,17 @@ def processor_kind(processor: Any) -> str:
 
 
 def save_module(module: nn.Module, folder: str, processor: Any = None, merge_lora: bool = False,
-                state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them)."""
+                is_main_process: bool = True) -> None:
+    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them). Every rank calls it
+    (a sharded module is gathered); only the main process writes."""
+    state = full_state_dict(module)
+    if not is_main_process:
+        return
     os.makedirs(folder, exist_ok=True)
     lora = lora_config_of(module)
-    if state_dict is None:
-        state_dict = merged_state_dict(module) if (lora and merge_lora) else base_state_dict(module)
-    state_dict = {k: v.detach().contiguous() for k, v in state_dict.items()}
-    module.save_pretrained(folder, state_dict=state_dict)
+    weights = merged_state_dict(module, state) if (lora and merge_lora) else base_state_dict(state)
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    module.save_pretrained(folder, state_dict=weights)
     _fix_architectures(folder, original_class(module))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
@@ -106,7 +125,8 @@ def save_module(module: nn.Module, folder: str, processor: Any = None, merge_lor
     if lora is not None and not merge_lora:
         from peft import get_peft_model_state_dict
 
-        adapter = {PEFT_PREFIX + k: v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
+        adapter = get_peft_model_state_dict(module, state_dict=state)
+        adapter = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in adapter.items()}
         lora.base_model_name_or_path = None
         lora.save_pretrained(folder)
         save_file(adapter, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -146,23 +146,24 @@ class OmniModel(PreTrainedModel):
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
                         merge_lora: bool = False, **kwargs) -> None:
-        """Write `config.json` (OmniConfig) and one HF folder per module (with its processor)."""
+        """Write `config.json` (OmniConfig) and one HF folder per module (with its processor). With sharded modules
+        every rank must call it (their weights are gathered); only `is_main_process` writes."""
         if kwargs.get("state_dict") is not None:
             raise ValueError("OmniModel.save_pretrained writes each module's own state; `state_dict=` is not supported")
-        if not is_main_process:
-            return
         save_directory = str(save_directory)
-        os.makedirs(save_directory, exist_ok=True)
+        if is_main_process:
+            os.makedirs(save_directory, exist_ok=True)
         entries = []
         for name, module in self.omni_modules().items():
             entry = dict(self.config.module_entry(name))
             entry["class"] = original_class(module).__name__
             processor = self.processors.get(name)
             entry["processor"] = processor_kind(processor) if processor is not None else None
-            save_module(module, os.path.join(save_directory, entry["subfolder"]), processor, merge_lora=merge_lora)
+            save_module(module, os.path.join(save_directory, entry["subfolder"]), processor, merge_lora=merge_lora,
+                        is_main_process=is_main_process)
             entries.append(entry)
-        config = OmniConfig(modules=entries, omni_class=type(self).__name__)
-        config.save_pretrained(save_directory)
+        if is_main_process:
+            OmniConfig(modules=entries, omni_class=type(self).__name__).save_pretrained(save_directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs) -> "OmniModel":

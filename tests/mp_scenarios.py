@@ -9,6 +9,7 @@ BASE_MODULES = {
     "llm": {"learning_rate": 1e-3, "lora": LORA, "max_grad_norm": 0.5},
 }
 COMMON = dict(max_steps=4, modules=BASE_MODULES)
+FSDP_MODULES = {**BASE_MODULES, "llm": {**BASE_MODULES["llm"], "parallel": "fsdp"}}
 
 # name -> {"multi": args at 2 ranks, "single": args at 1 rank (same global batch)}
 SCENARIOS = {
@@ -16,6 +17,8 @@ SCENARIOS = {
     "ddp_accumulation": {
         "multi": dict(COMMON, per_device_train_batch_size=2, gradient_accumulation_steps=2),
         "single": dict(COMMON, per_device_train_batch_size=8)},
+    "fsdp": {"multi": dict(COMMON, per_device_train_batch_size=4, modules=FSDP_MODULES),
+             "single": dict(COMMON, per_device_train_batch_size=8, modules=FSDP_MODULES)},
 }
 
 
