@@ -30,6 +30,9 @@ FSDP_PLUGIN_KEYS = {
     "cpu_ram_efficient_loading": (bool,),
     "ignored_modules": (list, str),
 }
+MIXED_PRECISION_NAMES = ("no", "bf16", "fp16")
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
+MIXED_PRECISION_DTYPES = ("bfloat16", "float16", "float32")
 _NUMBER = (int, float)
 # per-module key -> accepted types (None allowed where listed)
 MODULE_KEYS: dict[str, tuple] = {
@@ -98,6 +101,15 @@ def check_fsdp_plugin(module: str | None, settings: dict) -> None:
         if value is None:  # in an overlay: removes the inherited setting
             continue
         _check_type(module, f"fsdp_plugin.{key}", value, FSDP_PLUGIN_KEYS[key])
+    precision = settings.get("mixed_precision")
+    if isinstance(precision, str) and precision not in MIXED_PRECISION_NAMES:
+        raise OmniArgumentError(module, "fsdp_plugin.mixed_precision",
+                                f"must be one of {MIXED_PRECISION_NAMES} or a dict, got {precision!r}")
+    if isinstance(precision, dict):
+        for key, dtype in precision.items():
+            if key not in MIXED_PRECISION_KEYS or dtype not in MIXED_PRECISION_DTYPES:
+                raise OmniArgumentError(module, f"fsdp_plugin.mixed_precision.{key}",
+                                        f"keys {MIXED_PRECISION_KEYS}, values {MIXED_PRECISION_DTYPES}; got {dtype!r}")
     if "min_num_params" in settings and settings.get("transformer_cls_names_to_wrap"):
         raise OmniArgumentError(module, "fsdp_plugin.min_num_params",
                                 "size-based wrapping cannot be combined with transformer_cls_names_to_wrap")

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .arguments import ModuleArguments, OmniArgumentError
+from .export import is_sharded
 
 FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
                    "get_video_features", "encode", "decode")
@@ -40,11 +41,27 @@ def isolated_fsdp_environment():
 
 
 def _mixed_precision(value):
+    """`no` | `bf16` | `fp16` (Accelerate's names) or {param_dtype, reduce_dtype, output_dtype} as dtype names."""
     if value is None or value == "no":
         return None
     if isinstance(value, dict):
-        return {k: getattr(torch, v) if isinstance(v, str) else v for k, v in value.items()}
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in value.items()})
     return value
+
+
+def no_split_modules(module: nn.Module) -> set[str]:
+    """Layer classes to wrap by default: the `_no_split_modules` of the module (of every module, for a composed
+    model), kept to those present in it."""
+    from transformers import PreTrainedModel
+
+    present = {type(m).__name__ for m in module.modules()}
+    names = set()
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel):
+            names.update(getattr(sub, "_no_split_modules", None) or [])
+    return names & present
 
 
 def build_fsdp_plugin(module: nn.Module, margs: ModuleArguments):
@@ -55,7 +72,7 @@ def build_fsdp_plugin(module: nn.Module, margs: ModuleArguments):
     size_based = "min_num_params" in settings
     wrap_names = settings.pop("transformer_cls_names_to_wrap", None)
     if not size_based and wrap_names is None:
-        wrap_names = list(getattr(module, "_no_split_modules", None) or [])
+        wrap_names = sorted(no_split_modules(module))
     if isinstance(wrap_names, str):
         wrap_names = [wrap_names]
     kwargs = dict(
@@ -84,6 +101,17 @@ def build_fsdp_plugin(module: nn.Module, margs: ModuleArguments):
     return plugin
 
 
+def _embeddings(module: nn.Module):
+    """(input, output) embeddings where the module defines them (a composed model does not)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            found.append(getattr(module, getter)())
+        except (AttributeError, NotImplementedError):
+            found.append(None)
+    return found
+
+
 def shard_module(module: nn.Module, plugin, device: torch.device) -> nn.Module:
     """Apply `plugin` to `module` in place with `fully_shard` over all ranks."""
     import torch.distributed as dist
@@ -108,15 +136,12 @@ def shard_module(module: nn.Module, plugin, device: torch.device) -> nn.Module:
         for sub in get_module_children_bottom_up(module)[:-1]:
             if policy(sub) and not isinstance(sub, FSDPModule):
                 fully_shard(sub, **kwargs)
-    embed = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-    out_embed = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    embed, out_embed = _embeddings(module)
     tied = embed is not None and out_embed is not None and embed.weight is out_embed.weight
-    if embed is not None and not tied and not isinstance(embed, FSDPModule):
+    if embed is not None and not tied and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
         fully_shard(embed, **kwargs)
     fully_shard(module, **kwargs)
     module._get_fsdp_state()._lazy_init()  # root first: a unit called before the root must not become one
-    if not plugin.reshard_after_backward:
-        module.set_reshard_after_backward(False, recurse=True)
     for name in FORWARD_METHODS:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)

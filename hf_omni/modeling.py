@@ -84,6 +84,8 @@ class OmniModel(PreTrainedModel):
         self.processors: dict[str, Any] = dict(processors or {})
         self._num_parameters: dict[bool, int] = {}
         self.eval_modules: set[str] = set()  # fully frozen modules: kept in eval mode during training
+        # FSDP units that stay gathered across an accumulation window ("(model)": the composed model itself)
+        self.gather_across_accumulation: set[str] = set()
         self.loss_type = "ForCausalLM" if self.label_shift else None
 
     # -- construction ---------------------------------------------------------------------------
@@ -133,15 +135,24 @@ class OmniModel(PreTrainedModel):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient sync in every wrapped module (Accelerate's `no_sync(model)` calls this)."""
-        wrapped = [m for m in self.omni_modules().values() if hasattr(m, "set_requires_gradient_sync")]
-        for m in wrapped:
-            m.set_requires_gradient_sync(False)
+        """Skip gradient sync in every wrapped module, or in the composed model when it is wrapped as a whole
+        (Accelerate's `no_sync(model)` calls this). FSDP units configured with `reshard_after_backward: false`
+        stay gathered inside the window; the last micro-step (outside it) reshards them."""
+        units = {name: getattr(self, name) for name in self.module_names}
+        if hasattr(self, "set_requires_gradient_sync"):  # the composed model is one FSDP unit
+            units = {"(model)": self}
+        wrapped = {n: m for n, m in units.items() if hasattr(m, "set_requires_gradient_sync")}
+        for name, module in wrapped.items():
+            module.set_requires_gradient_sync(False)
+            if name in self.gather_across_accumulation:
+                module.set_reshard_after_backward(False)
         try:
             yield
         finally:
-            for m in wrapped:
-                m.set_requires_gradient_sync(True)
+            for name, module in wrapped.items():
+                module.set_requires_gradient_sync(True)
+                if name in self.gather_across_accumulation:
+                    module.set_reshard_after_backward(True)
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
@@ -163,7 +174,7 @@ class OmniModel(PreTrainedModel):
                         is_main_process=is_main_process)
             entries.append(entry)
         if is_main_process:
-            OmniConfig(modules=entries, omni_class=type(self).__name__).save_pretrained(save_directory)
+            OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(save_directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs) -> "OmniModel":

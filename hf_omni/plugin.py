@@ -24,11 +24,15 @@ from .optim import ModuleOptimizers, ModuleSchedulers, build_module_optimizer, b
 from .parallelize import apply_activation_checkpointing, apply_lora, freeze, has_process_group, wrap_module
 
 
+MODEL_SCOPE = "(model)"  # the key of the one plugin under fsdp_scope: model
+
+
 class OmniPlugin:
     """Per-module freezing / LoRA / wrapping / optimizer / scheduler / clipping for an `OmniModel`.
 
     After `prepare`: `module_args[name]` (resolved settings), `fsdp_plugins[name]` (one Accelerate
-    `FullyShardedDataParallelPlugin` per FSDP-wrapped module), `wrapped[name]` ("fsdp" | "ddp" | "none"),
+    `FullyShardedDataParallelPlugin` per FSDP-wrapped module; under `fsdp_scope: model` the one plugin of the
+    composed model, keyed `"(model)"`), `wrapped[name]` ("fsdp" | "ddp" | "none"),
     `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's).
     """
 
@@ -110,14 +114,23 @@ class OmniPlugin:
         if not has_process_group():
             self.wrapped = {name: "none" for name in self.module_args}
             return
-        from .fsdp import build_fsdp_plugin
+        from .fsdp import build_fsdp_plugin, shard_module
 
+        if self.args.fsdp_scope == "model":  # one wrap of the whole composed model, frozen modules included
+            margs = ModuleArguments(name=MODEL_SCOPE, fsdp_plugin=dict(self.args.fsdp_plugin or {}))
+            plugin = self.fsdp_plugins[MODEL_SCOPE] = build_fsdp_plugin(model, margs)
+            shard_module(model, plugin, device)
+            self.wrapped = {name: "fsdp" for name in self.module_args}
+            model.gather_across_accumulation = {MODEL_SCOPE} if not plugin.reshard_after_backward else set()
+            return
         for name, margs in self.module_args.items():
             wants = margs.parallel if (margs.trainable or (margs.parallel_from_module and margs.parallel == "fsdp")) \
                 else "none"
             plugin = None
             if wants == "fsdp":
                 plugin = self.fsdp_plugins[name] = build_fsdp_plugin(getattr(model, name), margs)
+                if not plugin.reshard_after_backward:
+                    model.gather_across_accumulation.add(name)
             self.wrapped[name] = wrap_module(getattr(model, name), wants, device, plugin)
 
     def build_optimizers(self, num_training_steps: int | None) -> None:

@@ -94,3 +94,29 @@ def assert_state_close(a: dict, b: dict, atol: float):
     for key in a:
         diff = (a[key].float() - b[key].float()).abs().max().item()
         assert diff <= atol, f"{key}: max |diff| {diff} > {atol}"
+
+
+class VisionTower(__import__("transformers").ViTModel):
+    """A ViT with the `get_image_features` method VLM towers have (called instead of `forward`)."""
+
+    def get_image_features(self, pixel_values):
+        return self(pixel_values=pixel_values).last_hidden_state
+
+
+class FeatureCaptioner(Captioner):
+    """Calls two module methods that are not the module's own forward: get_image_features, get_input_embeddings."""
+
+    def forward(self, pixel_values, input_ids, labels=None, **kw):
+        prefix = self.projector(self.vision.get_image_features(pixel_values))
+        embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
+        if labels is not None:
+            labels = torch.cat([labels.new_full(prefix.shape[:2], -100), labels], dim=1)
+        return self.llm(inputs_embeds=embeds, labels=labels, **kw)
+
+
+def tiny_feature_model(seed: int = 0) -> FeatureCaptioner:
+    base = tiny_model(seed)
+    tower = VisionTower(base.vision.config, add_pooling_layer=False)
+    tower.load_state_dict(base.vision.state_dict())
+    modules = {**base.omni_modules(), "vision": tower}
+    return FeatureCaptioner.from_modules(modules, processors=base.processors)

@@ -1,4 +1,7 @@
-"""Scenarios run at 2 ranks (tests/scripts/mp_train.py) and at 1 rank (tests/test_multiprocess.py)."""
+"""Scenarios run at 2 ranks (tests/scripts/mp_train.py) and at 1 rank (tests/test_multiprocess.py).
+
+Each: "multi" (arguments at 2 ranks), "single" (at 1 rank, same global batch), optional "model" (a builder name
+from helpers), "atol" (tolerance of the comparison)."""
 
 import torch
 
@@ -8,18 +11,42 @@ BASE_MODULES = {
     "projector": {"learning_rate": 3e-3, "max_grad_norm": 0.05},
     "llm": {"learning_rate": 1e-3, "lora": LORA, "max_grad_norm": 0.5},
 }
-COMMON = dict(max_steps=4, modules=BASE_MODULES)
 FSDP_MODULES = {**BASE_MODULES, "llm": {**BASE_MODULES["llm"], "parallel": "fsdp"}}
-
-# name -> {"multi": args at 2 ranks, "single": args at 1 rank (same global batch)}
-SCENARIOS = {
-    "ddp": {"multi": dict(COMMON, per_device_train_batch_size=4), "single": dict(COMMON, per_device_train_batch_size=8)},
-    "ddp_accumulation": {
-        "multi": dict(COMMON, per_device_train_batch_size=2, gradient_accumulation_steps=2),
-        "single": dict(COMMON, per_device_train_batch_size=8)},
-    "fsdp": {"multi": dict(COMMON, per_device_train_batch_size=4, modules=FSDP_MODULES),
-             "single": dict(COMMON, per_device_train_batch_size=8, modules=FSDP_MODULES)},
+GATHERED = {**BASE_MODULES, "llm": {**BASE_MODULES["llm"], "parallel": "fsdp",
+                                    "fsdp_plugin": {"reshard_after_backward": False}}}
+TWO_FSDP = {
+    "vision": {"parallel": "fsdp", "learning_rate": 1e-3,
+               "fsdp_plugin": {"transformer_cls_names_to_wrap": ["ViTLayer"], "reshard_after_forward": False}},
+    "projector": {"learning_rate": 3e-3},
+    "llm": {"parallel": "fsdp", "learning_rate": 1e-3,
+            "fsdp_plugin": {"transformer_cls_names_to_wrap": ["LlamaDecoderLayer"],
+                            "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}},
 }
+METHODS = {"vision": {"parallel": "fsdp"}, "projector": {"learning_rate": 3e-3}, "llm": {"parallel": "fsdp"}}
+COMMON = dict(max_steps=4, modules=BASE_MODULES)
+MULTI, SINGLE = dict(per_device_train_batch_size=4), dict(per_device_train_batch_size=8)
+ACCUMULATE = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
+
+
+def scenario(modules, multi=MULTI, model="tiny_model", atol=1e-6, **extra):
+    return {"multi": dict(COMMON, modules=modules, **multi, **extra),
+            "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
+
+
+SCENARIOS = {
+    "ddp": scenario(BASE_MODULES),
+    "ddp_accumulation": scenario(BASE_MODULES, multi=ACCUMULATE),
+    "fsdp": scenario(FSDP_MODULES),
+    "fsdp_accumulation": scenario(GATHERED, multi=ACCUMULATE),
+    "fsdp_model_scope": scenario(BASE_MODULES, fsdp_scope="model"),
+    "fsdp_model_scope_accumulation": scenario(BASE_MODULES, multi=ACCUMULATE, fsdp_scope="model"),
+    "two_fsdp": scenario(TWO_FSDP, atol=3e-2),  # llm computes in bf16 at 2 ranks, fp32 at 1
+    "fsdp_methods": scenario(METHODS, model="tiny_feature_model"),
+}
+
+# set in the 2-rank run's environment: hf_omni must ignore them and leave them as they are
+FSDP_ENV = {"FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaMLP",
+            "FSDP_AUTO_WRAP_POLICY": "NO_WRAP", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
@@ -30,3 +57,16 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
             value = value.full_tensor()
         out[key] = value.detach().cpu().clone()
     return out
+
+
+def sharding_facts(model) -> dict:
+    """Per module: parameter bytes held by this rank, and the module's full parameter bytes."""
+    facts = {}
+    for name, module in model.omni_modules().items():
+        local = full = 0
+        for p in module.parameters():
+            tensor = p.to_local() if hasattr(p, "to_local") else p
+            local += tensor.numel() * tensor.element_size()
+            full += p.numel() * p.element_size()
+        facts[name] = {"local_bytes": local, "full_bytes": full}
+    return facts

@@ -73,6 +73,8 @@ PARSE_ERRORS = [
     (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10, "transformer_cls_names_to_wrap": ["X"]}}}),
      "modules.llm.fsdp_plugin.min_num_params"),
     (dict(modules={"llm": {"learning_rate": None}}), "modules.llm.learning_rate"),
+    (dict(modules={"llm": {"fsdp_plugin": {"mixed_precision": "bf8"}}}), "modules.llm.fsdp_plugin.mixed_precision"),
+    (dict(fsdp_plugin={"mixed_precision": {"param_dtype": "int8"}}), "fsdp_plugin.mixed_precision.param_dtype"),
     (dict(modules={"llm": 3}), "modules.llm"),
     (dict(fsdp="full_shard"), "fsdp"),
     (dict(fsdp_config={"min_num_params": 1}), "fsdp_config"),

@@ -1,7 +1,7 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` (gloo, use_cpu): many scenarios per launch.
 
-Usage: mp_train.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt with the step losses, the final full weights and
-facts about the wrapping; the test compares them with single-process runs of the same scenarios.
+Usage: mp_train.py OUT_DIR [SCENARIO ...]. Rank 0 writes OUT_DIR/<scenario>.pt with the step losses, the final
+full weights and facts about the wrapping; the test compares them with single-process runs of the same scenarios.
 """
 
 import os
@@ -11,32 +11,39 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import make_args, step_losses, tiny_data, tiny_model  # noqa: E402
-from mp_scenarios import SCENARIOS, full_state_dict  # noqa: E402
+import helpers  # noqa: E402
+from mp_scenarios import FSDP_ENV, SCENARIOS, full_state_dict, sharding_facts  # noqa: E402
 
 from hf_omni import OmniTrainer  # noqa: E402
 
 
 def main(out_dir: str, names: list[str]):
+    os.environ.update(FSDP_ENV)  # must change nothing
     for name in names:
         spec = SCENARIOS[name]
-        model = tiny_model()
-        data = tiny_data(model)
-        args = make_args(os.path.join(out_dir, name), **spec["multi"])
+        model = getattr(helpers, spec["model"])()
+        data = helpers.tiny_data(model)
+        args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
         trainer = OmniTrainer(model=model, args=args, train_dataset=data)
-        # the composed forward calls model.llm.get_input_embeddings() outside the llm's own forward
         trainer.train()
+        plugins = trainer.plugin.fsdp_plugins
         facts = {
             "wrapped": dict(trainer.plugin.wrapped),
             "classes": {n: type(m).__name__ for n, m in model.omni_modules().items()},
-            "llm_isinstance": isinstance(model.llm, type(tiny_model().llm)),
-            "fsdp_plugins": sorted(trainer.plugin.fsdp_plugins),
+            "model_class": type(model).__name__,
+            "llm_isinstance": isinstance(model.llm, type(helpers.tiny_model().llm)),
+            "fsdp_plugins": {n: {"wrap": p.transformer_cls_names_to_wrap, "reshard": p.reshard_after_forward,
+                                 "mp": str(p.mixed_precision_policy), "id": id(p)} for n, p in plugins.items()},
             "world_size": dist.get_world_size(),
+            "env": {k: os.environ.get(k) for k in FSDP_ENV},
+            "sharding": sharding_facts(model),
+            "fsdp_units": {n: sum(hasattr(m, "unshard") for m in module.modules())
+                           for n, module in model.omni_modules().items()},
         }
         state = full_state_dict(model)
         trainer.save_model(os.path.join(out_dir, name, "export"))
         if dist.get_rank() == 0:
-            torch.save({"losses": step_losses(trainer), "state": state, "facts": facts},
+            torch.save({"losses": helpers.step_losses(trainer), "state": state, "facts": facts},
                        os.path.join(out_dir, f"{name}.pt"))
         dist.barrier()
 
