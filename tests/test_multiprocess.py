@@ -118,3 +118,12 @@ def test_module_methods_called_outside_forward_under_fsdp(two_rank_results):
     facts = two_rank_results["fsdp_methods"]["facts"]
     assert facts["wrapped"]["vision"] == "fsdp" and facts["wrapped"]["llm"] == "fsdp"
     assert len(two_rank_results["fsdp_methods"]["losses"]) == 4
+
+
+def test_accumulation_window_keeps_units_gathered_then_reshards(two_rank_results):
+    """reshard_after_backward: false keeps the llm's layers gathered between micro-steps; resharded after the
+    last one. The default reshards after every backward."""
+    kept = two_rank_results["fsdp_accumulation"]["facts"]["gathered"]
+    assert kept["in_window"] == [True] * 4 and kept["after_step"] == [False] * 4
+    default = two_rank_results["fsdp_model_scope_accumulation"]["facts"]["gathered"]
+    assert default["in_window"] == [False] * 4 and default["after_step"] == [False] * 4

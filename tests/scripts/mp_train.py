@@ -14,7 +14,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
 from mp_scenarios import FSDP_ENV, SCENARIOS, full_state_dict, sharding_facts  # noqa: E402
 
+from transformers import TrainerCallback  # noqa: E402
+
 from hf_omni import OmniTrainer  # noqa: E402
+
+
+class GatheredProbe(TrainerCallback):
+    """Whether the llm's decoder-layer parameters are gathered (plain tensors, not DTensor shards) after a
+    micro-step inside an accumulation window, and after each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.in_window, self.after_step = model, [], []
+
+    def _gathered(self):
+        param = next(self.model.llm.model.layers[0].parameters())
+        return not hasattr(param, "to_local")
+
+    def on_substep_end(self, *args, **kwargs):
+        self.in_window.append(self._gathered())
+
+    def on_step_end(self, *args, **kwargs):
+        self.after_step.append(self._gathered())
 
 
 def main(out_dir: str, names: list[str]):
@@ -24,7 +44,8 @@ def main(out_dir: str, names: list[str]):
         model = getattr(helpers, spec["model"])()
         data = helpers.tiny_data(model)
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
-        trainer = OmniTrainer(model=model, args=args, train_dataset=data)
+        probe = GatheredProbe(model)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=data, callbacks=[probe])
         trainer.train()
         plugins = trainer.plugin.fsdp_plugins
         facts = {
@@ -35,6 +56,7 @@ def main(out_dir: str, names: list[str]):
             "fsdp_plugins": {n: {"wrap": p.transformer_cls_names_to_wrap, "reshard": p.reshard_after_forward,
                                  "mp": str(p.mixed_precision_policy), "id": id(p)} for n, p in plugins.items()},
             "world_size": dist.get_world_size(),
+            "gathered": {"in_window": probe.in_window, "after_step": probe.after_step},
             "env": {k: os.environ.get(k) for k in FSDP_ENV},
             "sharding": sharding_facts(model),
             "fsdp_units": {n: sum(hasattr(m, "unshard") for m in module.modules())
