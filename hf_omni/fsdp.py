@@ -112,8 +112,9 @@ def _embeddings(module: nn.Module):
     return found
 
 
-def shard_module(module: nn.Module, plugin, device: torch.device) -> nn.Module:
-    """Apply `plugin` to `module` in place with `fully_shard` over all ranks."""
+def shard_module(module: nn.Module, plugin, device: torch.device, lazy_init: bool = True) -> nn.Module:
+    """Apply `plugin` to `module` in place with `fully_shard` over all ranks. `lazy_init=False` for a module on the
+    meta device: call `lazy_init_root` once its shards are filled."""
     import torch.distributed as dist
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,8 +142,15 @@ def shard_module(module: nn.Module, plugin, device: torch.device) -> nn.Module:
     if embed is not None and not tied and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
         fully_shard(embed, **kwargs)
     fully_shard(module, **kwargs)
-    module._get_fsdp_state()._lazy_init()  # root first: a unit called before the root must not become one
+    if lazy_init:
+        lazy_init_root(module)
     for name in FORWARD_METHODS:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
     return module
+
+
+def lazy_init_root(module: nn.Module) -> None:
+    """Initialise the module's FSDP state from its root now, so that a unit called before the root (the input
+    embeddings, from the composed forward) does not claim to be a root itself."""
+    module._get_fsdp_state()._lazy_init()

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import OmniConfig
+from .empty_init import build_empty
 from .export import (
     PROCESSOR_KINDS, has_adapter, load_adapter, load_processor, original_class, processor_kind, save_module,
 )
@@ -83,6 +84,8 @@ class OmniModel(PreTrainedModel):
             setattr(self, name, modules[name])
         self.processors: dict[str, Any] = dict(processors or {})
         self._num_parameters: dict[bool, int] = {}
+        # empty_init: module -> folder its weights are read from when `OmniPlugin.prepare` fills it
+        self.pending_weights: dict[str, str] = {}
         self.eval_modules: set[str] = set()  # fully frozen modules: kept in eval mode during training
         # FSDP units that stay gathered across an accumulation window ("(model)": the composed model itself)
         self.gather_across_accumulation: set[str] = set()
@@ -177,16 +180,20 @@ class OmniModel(PreTrainedModel):
             OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(save_directory)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs) -> "OmniModel":
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,
+                        **kwargs) -> "OmniModel":
         """Rebuild the composed model from `save_pretrained` output (each module from its subfolder, or from its
-        recorded source when the subfolder is absent)."""
+        recorded source when the subfolder is absent).
+
+        `empty_init=True`: modules are built on the meta device and remember their weights folder;
+        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.empty_init`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder and keyword arguments only")
         root = str(pretrained_model_name_or_path)
         if not os.path.isfile(os.path.join(root, "config.json")):
             raise FileNotFoundError(f"{root} has no config.json: not a saved OmniModel folder")
         config = OmniConfig.from_pretrained(root)
-        modules, processors = {}, {}
+        modules, processors, pending = {}, {}, {}
         for entry in config.modules:
             name = entry["name"]
             folder = os.path.join(root, entry["subfolder"])
@@ -195,11 +202,17 @@ class OmniModel(PreTrainedModel):
                 if not folder or not os.path.isdir(folder):
                     raise FileNotFoundError(f"module {name!r}: no folder {entry['subfolder']!r} in {root} and no source")
             module_cls = resolve_module_class(entry["class"], name)
-            module = module_cls.from_pretrained(folder, **kwargs)
-            if has_adapter(folder):
-                load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
+            if empty_init:
+                module = build_empty(module_cls, folder)
+                pending[name] = folder
+            else:
+                module = module_cls.from_pretrained(folder, **kwargs)
+                if has_adapter(folder):
+                    load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
             modules[name] = module
             kind = entry.get("processor")
             if kind in PROCESSOR_KINDS:
                 processors[name] = load_processor(folder, kind)
-        return cls(config, modules=modules, processors=processors)
+        model = cls(config, modules=modules, processors=processors)
+        model.pending_weights = pending
+        return model

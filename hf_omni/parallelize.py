@@ -33,6 +33,12 @@ def apply_lora(module: nn.Module, margs: ModuleArguments) -> bool:
     layer of this module and came from the top level (the module then stays fully frozen)."""
     from peft import LoraConfig, inject_adapter_in_model
 
+    from .export import lora_config_of
+
+    if lora_config_of(module) is not None:  # an adapter loaded with the module: train it, do not add another
+        for name, param in module.named_parameters():
+            param.requires_grad_(".lora_" in name)
+        return True
     try:
         inject_adapter_in_model(LoraConfig(**margs.lora), module)
     except ValueError as err:
@@ -64,12 +70,13 @@ def replicate_module(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
-def wrap_module(module: nn.Module, parallel: str, device: torch.device, fsdp_plugin=None) -> str:
+def wrap_module(module: nn.Module, parallel: str, device: torch.device, fsdp_plugin=None,
+                lazy_init: bool = True) -> str:
     """Wrap a module in place as `parallel` says; returns what was applied ("fsdp" | "ddp" | "none")."""
     if parallel == "ddp":
         replicate_module(module, device)
     elif parallel == "fsdp":
         from .fsdp import shard_module
 
-        shard_module(module, fsdp_plugin, device)
+        shard_module(module, fsdp_plugin, device, lazy_init=lazy_init)
     return parallel

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from .arguments import ModuleArguments, OmniArgumentError, OmniTrainingArguments
+from .empty_init import fill_module
+from .fsdp import build_fsdp_plugin, lazy_init_root, shard_module
 from .modeling import OmniModel
 from .optim import ModuleOptimizers, ModuleSchedulers, build_module_optimizer, build_module_scheduler
 from .parallelize import apply_activation_checkpointing, apply_lora, freeze, has_process_group, wrap_module
@@ -81,8 +83,24 @@ class OmniPlugin:
             raise RuntimeError("OmniPlugin.prepare was already called; use one plugin per model")
         self.resolve(model)
         self._set_training_modes(model)
-        model = accelerator.prepare_model(model, evaluation_mode=True)  # placement + autocast; never DDP-wrapped
-        self._wrap_modules(model, accelerator.device)
+        device = accelerator.device
+        plan = self._plan_wrapping(model)
+        shard_later = {n: f for n, f in model.pending_weights.items() if plan[n] == "fsdp" and
+                       self.args.fsdp_scope == "module"}
+        for name, folder in model.pending_weights.items():  # empty_init, not sharded: filled whole
+            if name not in shard_later:
+                fill_module(getattr(model, name), folder, device)
+        # placement + autocast; never DDP-wrapped (meta modules are placed by their filling below)
+        model = accelerator.prepare_model(model, device_placement=not shard_later, evaluation_mode=True)
+        if shard_later:
+            for name, module in model.omni_modules().items():
+                if name not in shard_later:
+                    module.to(device)
+        self._wrap_modules(model, device, plan, empty=set(shard_later))
+        for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
+            fill_module(getattr(model, name), folder, device)
+            lazy_init_root(getattr(model, name))
+        model.pending_weights = {}
         self.model = model
         self._params = {n: [p for p in getattr(model, n).parameters() if p.requires_grad] for n in self.trainable}
         self.build_optimizers(num_training_steps)
@@ -108,30 +126,36 @@ class OmniPlugin:
                                     "grad after freezing and LoRA")
         model.eval_modules = {n for n, m in self.module_args.items() if not m.trainable}
 
-    def _wrap_modules(self, model: OmniModel, device: torch.device) -> None:
+    def _plan_wrapping(self, model: OmniModel) -> dict[str, str]:
         """No process group: everything runs unwrapped. Otherwise each trainable module as `parallel` says;
-        a fully frozen module only when its own entry asks for `parallel: fsdp`."""
+        a fully frozen module only when its own entry asks for `parallel: fsdp`; under `fsdp_scope: model`, all
+        of them inside the one wrap of the composed model."""
         if not has_process_group():
-            self.wrapped = {name: "none" for name in self.module_args}
-            return
-        from .fsdp import build_fsdp_plugin, shard_module
+            return {name: "none" for name in self.module_args}
+        if self.args.fsdp_scope == "model":
+            return {name: "fsdp" for name in self.module_args}
+        return {name: margs.parallel if (margs.trainable or (margs.parallel_from_module and margs.parallel == "fsdp"))
+                else "none" for name, margs in self.module_args.items()}
 
+    def _wrap_modules(self, model: OmniModel, device: torch.device, plan: dict[str, str], empty: set[str]) -> None:
+        if not has_process_group():
+            self.wrapped = dict(plan)
+            return
         if self.args.fsdp_scope == "model":  # one wrap of the whole composed model, frozen modules included
             margs = ModuleArguments(name=MODEL_SCOPE, fsdp_plugin=dict(self.args.fsdp_plugin or {}))
             plugin = self.fsdp_plugins[MODEL_SCOPE] = build_fsdp_plugin(model, margs)
             shard_module(model, plugin, device)
-            self.wrapped = {name: "fsdp" for name in self.module_args}
+            self.wrapped = dict(plan)
             model.gather_across_accumulation = {MODEL_SCOPE} if not plugin.reshard_after_backward else set()
             return
         for name, margs in self.module_args.items():
-            wants = margs.parallel if (margs.trainable or (margs.parallel_from_module and margs.parallel == "fsdp")) \
-                else "none"
+            wants = plan[name]
             plugin = None
             if wants == "fsdp":
                 plugin = self.fsdp_plugins[name] = build_fsdp_plugin(getattr(model, name), margs)
                 if not plugin.reshard_after_backward:
                     model.gather_across_accumulation.add(name)
-            self.wrapped[name] = wrap_module(getattr(model, name), wants, device, plugin)
+            self.wrapped[name] = wrap_module(getattr(model, name), wants, device, plugin, lazy_init=name not in empty)
 
     def build_optimizers(self, num_training_steps: int | None) -> None:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""

@@ -6,7 +6,8 @@ hooks are overridden (and checked against the installed Trainer by `check_traine
 - `create_optimizer` / `create_scheduler`: return the plugin's composites;
 - `_clip_grad_norm` / `_get_grad_norm`: per-module or global clipping, combined norm;
 - `log`: adds `grad_norm/<module>` and `lr/<module>`;
-- `save_model`: one HF folder per module plus the root config.
+- `save_model`: one HF folder per module plus the root config;
+- `_move_model_to_device`: leaves `empty_init` modules on the meta device for the plugin to fill.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_get_grad_norm": ("self", "model", "grad_norm"),
     "log": ("self", "logs", "start_time"),
     "save_model": ("self", "output_dir", "_internal_call"),
+    "_move_model_to_device": ("self", "model", "device"),
 }
 
 
@@ -61,6 +63,15 @@ class OmniTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
 
     # -- setup ----------------------------------------------------------------------------------
+    def _move_model_to_device(self, model, device):
+        """Modules still on the meta device (`empty_init`) stay there: `OmniPlugin.prepare` fills them in place."""
+        pending = getattr(model, "pending_weights", None)
+        if not pending:
+            return super()._move_model_to_device(model, device)
+        for name, module in model.omni_modules().items():
+            if name not in pending:
+                module.to(device)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.plugin.model is None:
             _, self.optimizer, self.lr_scheduler = self.plugin.prepare(self.accelerator, self.model, max_steps)

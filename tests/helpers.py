@@ -120,3 +120,21 @@ def tiny_feature_model(seed: int = 0) -> FeatureCaptioner:
     tower.load_state_dict(base.vision.state_dict())
     modules = {**base.omni_modules(), "vision": tower}
     return FeatureCaptioner.from_modules(modules, processors=base.processors)
+
+
+def empty_init_model():
+    """tiny_model() saved once (rank 0 under a process group), then rebuilt with empty_init=True: modules on
+    the meta device until OmniPlugin.prepare fills them."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    folder = os.environ.get("HF_OMNI_TEST_SAVED") or tempfile.mkdtemp()
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        tiny_model().save_pretrained(folder)
+    if distributed:
+        dist.barrier()
+    model = Captioner.from_pretrained(folder, empty_init=True)
+    assert all(p.is_meta for p in model.parameters())
+    return model

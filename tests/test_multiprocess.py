@@ -127,3 +127,17 @@ def test_accumulation_window_keeps_units_gathered_then_reshards(two_rank_results
     assert kept["in_window"] == [True] * 4 and kept["after_step"] == [False] * 4
     default = two_rank_results["fsdp_model_scope_accumulation"]["facts"]["gathered"]
     assert default["in_window"] == [False] * 4 and default["after_step"] == [False] * 4
+
+
+def test_empty_init_reads_only_each_ranks_shards(two_rank_results):
+    """empty_init: the FSDP llm is sharded on the meta device, then each rank reads only its own rows; the
+    unwrapped modules are read whole. Training equals the eager single-rank run (test_two_ranks_equal_one_rank)."""
+    facts = two_rank_results["fsdp_empty_init"]["facts"]
+    assert facts["wrapped"]["llm"] == "fsdp"
+    llm_reads = [r for r in facts["reads"] if r[0].startswith(("model.", "lm_head"))]
+    other_reads = [r for r in facts["reads"] if not r[0].startswith(("model.", "lm_head", "base_model"))]
+    assert llm_reads and other_reads
+    for key, shape, full in llm_reads:
+        assert shape[0] == -(-full[0] // 2) and shape[1:] == full[1:], (key, shape, full)  # half the rows
+    for key, shape, full in other_reads:
+        assert shape == full, key

@@ -37,10 +37,29 @@ class GatheredProbe(TrainerCallback):
         self.after_step.append(self._gathered())
 
 
+class ReadLog:
+    """Records every tensor read from safetensors by empty_init loading: (key, shape read, full shape)."""
+
+    def __init__(self):
+        from hf_omni.empty_init import SafetensorsIndex
+
+        self.reads, original = [], SafetensorsIndex.read
+
+        def read(index, key, rows=None):
+            out = original(index, key, rows)
+            self.reads.append((key, tuple(out.shape), tuple(index.where[key].get_slice(key).get_shape())))
+            return out
+
+        SafetensorsIndex.read = read
+
+
 def main(out_dir: str, names: list[str]):
     os.environ.update(FSDP_ENV)  # must change nothing
+    os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")
+    reads = ReadLog()
     for name in names:
         spec = SCENARIOS[name]
+        reads.reads.clear()
         model = getattr(helpers, spec["model"])()
         data = helpers.tiny_data(model)
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
@@ -59,6 +78,7 @@ def main(out_dir: str, names: list[str]):
             "gathered": {"in_window": probe.in_window, "after_step": probe.after_step},
             "env": {k: os.environ.get(k) for k in FSDP_ENV},
             "sharding": sharding_facts(model),
+            "reads": list(reads.reads),
             "fsdp_units": {n: sum(hasattr(m, "unshard") for m in module.modules())
                            for n, module in model.omni_modules().items()},
         }
