@@ -1,0 +1,215 @@
+"""Per-module FSDP2 on CPU (2 gloo ranks): step time against a hand-written loop, and peak memory per rank.
+
+    python bench/fsdp.py            # launches its parts with accelerate; takes a few minutes
+
+1. Step time, the demo model with the LLM sharded (frozen vision encoder, replicated projector): OmniTrainer vs
+   a hand-written loop (`fully_shard` on the same units, composable `replicate`, one AdamW per module, per-module
+   clipping, the same token normalisation), interleaved over rounds. Goal: ratio <= 1.03.
+2. Peak RSS per rank of the demo layout with a ~150M-parameter LLM trained in full: OmniTrainer with the LLM
+   sharded and the model built with `empty_init`, vs plain `Trainer` with DDP over the whole model (built
+   normally), each in fresh processes, with glibc's default allocator and with MALLOC_MMAP_THRESHOLD_=131072
+   (glibc otherwise keeps freed memory). Goal: ratio <= 0.60.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+WARMUP, MEASURED, ROUNDS, BATCH = 5, 40, 3, 64
+BIG = dict(hidden=64, layers=2, llm_hidden=768, llm_layers=16)  # the LLM: ~151M parameters
+BIG_DIR = "/tmp/hf_omni_bench/big_model"
+MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+           "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}
+
+
+def launch(*args: str, env: dict | None = None) -> str:
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if result.returncode:
+        sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
+        raise SystemExit(f"bench/fsdp.py {' '.join(args)} failed")
+    return result.stdout
+
+
+# -- 1. step time ---------------------------------------------------------------------------------
+class StepTimer:
+    def __init__(self):
+        self.times, self.last = [], None
+
+    def tick(self):
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+def run_omni(train_set, steps):
+    from digits import build_model
+    from transformers import TrainerCallback
+
+    from hf_omni import OmniTrainer, OmniTrainingArguments
+
+    timer = StepTimer()
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            timer.tick()
+
+    args = OmniTrainingArguments(
+        output_dir="/tmp/hf_omni_bench/fsdp_omni", max_steps=steps, per_device_train_batch_size=BATCH,
+        learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch", use_cpu=True, report_to="none",
+        save_strategy="no", disable_tqdm=True, logging_steps=10_000, dataloader_drop_last=True, modules=MODULES)
+    OmniTrainer(model=build_model(), args=args, train_dataset=train_set, callbacks=[Tick()]).train()
+    return timer.times[WARMUP - 1:]
+
+
+def run_by_hand(train_set, steps):
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from digits import build_model
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model()
+    model.vision.requires_grad_(False)
+    model.vision.eval()
+    replicate(model.projector)
+    replicate.state(model.projector).lazy_init()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.llm.modules():
+        if isinstance(layer, LlamaDecoderLayer):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model.llm.get_input_embeddings(), mesh=mesh)
+    fully_shard(model.llm, mesh=mesh)
+    model.llm._get_fsdp_state()._lazy_init()  # the embeddings run before the llm's root
+    optimizers = {"projector": torch.optim.AdamW(model.projector.parameters(), lr=3e-3),
+                  "llm": torch.optim.AdamW(model.llm.parameters(), lr=1e-3)}
+    loader = accelerator.prepare(torch.utils.data.DataLoader(train_set, batch_size=BATCH, shuffle=True,
+                                                             drop_last=True))
+    timer, step = StepTimer(), 0
+    model.train()
+    model.vision.eval()
+    while step < steps:
+        for batch in loader:
+            num_items = (batch["labels"] != -100).sum()
+            dist.all_reduce(num_items)
+            loss = model(**batch, num_items_in_batch=num_items).loss * dist.get_world_size()
+            loss.backward()
+            for name, opt in optimizers.items():
+                grads = [p.grad for p in getattr(model, name).parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)
+                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                torch.nn.utils.clip_grads_with_norm_(list(getattr(model, name).parameters()), 1.0, norm)
+                opt.step()
+                opt.zero_grad()
+            timer.tick()
+            step += 1
+            if step == steps:
+                break
+    return timer.times[WARMUP - 1:]
+
+
+def step_time_worker():
+    import torch.distributed as dist
+    from digits import build_tokenizer, load_splits
+
+    train_set, _ = load_splits(build_tokenizer())
+    times = {"omni": [], "by_hand": []}
+    for _ in range(ROUNDS):
+        times["omni"] += run_omni(train_set, WARMUP + MEASURED)
+        dist.barrier()
+        times["by_hand"] += run_by_hand(train_set, WARMUP + MEASURED)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        print(f"STEP omni={med['omni']:.2f} by_hand={med['by_hand']:.2f}")
+
+
+# -- 2. memory ------------------------------------------------------------------------------------
+def save_big_model():
+    from digits import build_model
+
+    if not os.path.isfile(os.path.join(BIG_DIR, "config.json")):
+        build_model(**BIG).save_pretrained(BIG_DIR)
+
+
+def memory_worker(variant: str):
+    import torch
+    import torch.distributed as dist
+    from digits import Captioner, build_tokenizer, load_splits
+    from transformers import Trainer, TrainingArguments
+
+    from hf_omni import OmniTrainer, OmniTrainingArguments
+
+    train_set, _ = load_splits(build_tokenizer())
+    common = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-4, optim="adamw_torch",
+                  use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=10_000)
+    if variant == "omni":
+        model = Captioner.from_pretrained(BIG_DIR, empty_init=True)
+        args = OmniTrainingArguments(output_dir="/tmp/hf_omni_bench/mem_omni", modules=MODULES, **common)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
+    else:
+        model = Captioner.from_pretrained(BIG_DIR)
+        model.vision.requires_grad_(False)
+        args = TrainingArguments(output_dir="/tmp/hf_omni_bench/mem_trainer", **common)
+        trainer = Trainer(model=model, args=args, train_dataset=train_set)
+    llm_params = sum(p.numel() for p in model.llm.parameters())
+    trainer.train()
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], dtype=torch.float64)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    if dist.get_rank() == 0:
+        print(f"MEM {variant} llm_params={llm_params} peak_gb={max(p.item() for p in peaks):.3f}")
+
+
+def parse(output: str, tag: str) -> dict[str, str]:
+    line = next(line for line in output.splitlines() if line.startswith(tag))
+    return dict(item.split("=") for item in line.split()[1:] if "=" in item)
+
+
+def main():
+    step = parse(launch("--step-time"), "STEP")
+    omni, by_hand = float(step["omni"]), float(step["by_hand"])
+    print(f"bench/fsdp.py, 2 gloo ranks on CPU\n\nStep time, demo model (LLM sharded, batch {BATCH}/rank, "
+          f"median of {ROUNDS} rounds x {MEASURED} steps):\n")
+    print("| variant | median step (ms) |\n|---|---|")
+    print(f"| OmniTrainer | {omni:.1f} |\n| hand-written per-module fully_shard loop | {by_hand:.1f} |")
+    print(f"\nOmniTrainer / hand-written loop: {omni / by_hand:.3f} (goal <= 1.03)\n")
+
+    subprocess.run([sys.executable, __file__, "--save-big"], check=True, capture_output=True)
+    rows = []
+    for allocator, env in (("glibc default", {}), ("MALLOC_MMAP_THRESHOLD_=131072",
+                                                   {"MALLOC_MMAP_THRESHOLD_": "131072"})):
+        got = {v: parse(launch("--memory", v, env=env), "MEM") for v in ("omni", "trainer")}
+        rows.append((allocator, float(got["omni"]["peak_gb"]), float(got["trainer"]["peak_gb"]),
+                     int(got["omni"]["llm_params"])))
+    print(f"Peak RSS per rank (max over ranks), LLM of {rows[0][3] / 1e6:.0f}M parameters trained in full, "
+          "3 steps:\n")
+    print("| allocator | OmniTrainer, FSDP LLM, empty_init (GB) | Trainer + DDP (GB) | ratio (goal <= 0.60) |")
+    print("|---|---|---|---|")
+    for allocator, omni_gb, trainer_gb, _ in rows:
+        print(f"| {allocator} | {omni_gb:.2f} | {trainer_gb:.2f} | {omni_gb / trainer_gb:.3f} |")
+
+
+if __name__ == "__main__":
+    if "--step-time" in sys.argv:
+        step_time_worker()
+    elif "--memory" in sys.argv:
+        memory_worker(sys.argv[sys.argv.index("--memory") + 1])
+    elif "--save-big" in sys.argv:
+        save_big_model()
+    else:
+        main()

@@ -1,0 +1,88 @@
+"""CUDA / NCCL check of per-module FSDP2 with bf16 mixed precision (run it whenever a GPU is at hand).
+
+    torchrun --nproc_per_node 1 bench/gpu_check.py          # a process group of world size 1: modules get wrapped
+
+The demo model trains a few steps with the LLM sharded by its own FSDP2 plugin (bf16 parameters, fp32
+reductions), the projector replicated and the vision encoder frozen; the same model and data run through a plain
+fp32 PyTorch loop on the CPU. Losses must agree within bf16 tolerance. Without CUDA it runs the same on CPU/gloo
+(say so in your note: that is not the CUDA check). Exit status 1 when the losses disagree.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from digits import build_model, load_splits  # noqa: E402
+
+from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
+
+STEPS, BATCH, TOLERANCE = 12, 32, 0.03
+MODULES = {
+    "vision": {"trainable": False},
+    "projector": {"learning_rate": 3e-3},
+    "llm": {"parallel": "fsdp", "learning_rate": 1e-3,
+            "fsdp_plugin": {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}},
+}
+
+
+def reference_losses(model, dataset) -> list[float]:
+    """fp32 on the CPU: AdamW per trainable module, the same constant learning rates, clipping at 1.0."""
+    model = model.cpu().float()
+    model.vision.requires_grad_(False)
+    model.vision.eval()
+    optimizers = {n: torch.optim.AdamW(getattr(model, n).parameters(), lr=MODULES[n]["learning_rate"])
+                  for n in ("projector", "llm")}
+    losses = []
+    for step in range(STEPS):
+        items = [dataset[i] for i in range(step * BATCH, (step + 1) * BATCH)]
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        loss = model(**batch).loss
+        loss.backward()
+        for name, opt in optimizers.items():
+            torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def main():
+    cuda = torch.cuda.is_available()
+    model = build_model()
+    train_set, _ = load_splits(model.processors["llm"])
+    reference = reference_losses(copy.deepcopy(model), train_set)
+    args = OmniTrainingArguments(
+        output_dir="/tmp/hf_omni_gpu_check", max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
+        lr_scheduler_type="constant", optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not cuda,
+        report_to="none", save_strategy="no", disable_tqdm=True, modules=MODULES)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    if not trainer.is_world_process_zero():
+        return
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    device = torch.cuda.get_device_name() if cuda else "cpu (NOT the CUDA check)"
+    print(f"\nbench/gpu_check.py: {device}, backend {backend}, wrapped {trainer.plugin.wrapped}, "
+          f"llm param dtype in forward: bf16, {STEPS} steps in {seconds:.1f} s")
+    print("| step | loss (FSDP2, bf16) | loss (CPU fp32 loop) | rel. diff |")
+    print("|---|---|---|---|")
+    worst = 0.0
+    for step, (got, ref) in enumerate(zip(losses, reference), 1):
+        rel = abs(got - ref) / abs(ref)
+        worst = max(worst, rel)
+        print(f"| {step} | {got:.4f} | {ref:.4f} | {rel:.4f} |")
+    verdict = "PASS" if worst <= TOLERANCE and len(losses) == STEPS else "FAIL"
+    print(f"{verdict}: max relative difference {worst:.4f} (bf16 tolerance {TOLERANCE})")
+    sys.exit(0 if verdict == "PASS" else 1)
+
+
+if __name__ == "__main__":
+    main()
