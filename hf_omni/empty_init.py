@@ -15,12 +15,15 @@ the files lack (a head the module never saved, a fresh adapter) get the module's
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
 from torch import nn
 
 from .export import ADAPTER_WEIGHTS, PEFT_PREFIX, has_adapter
+
+logger = logging.getLogger(__name__)
 
 
 def build_empty(module_cls, folder: str) -> nn.Module:
@@ -74,11 +77,29 @@ class SafetensorsIndex:
         return self.where[key].get_slice(key)[rows[0]:rows[1]]
 
 
-def _file_key(state_key: str) -> tuple[str, bool]:
-    """Where a state-dict key of a (possibly LoRA-injected) module lives: (file key, is an adapter weight)."""
+def file_key_map(module: nn.Module) -> dict[str, str]:
+    """Parameter name -> key in the module's saved files. transformers 5 saves some models under legacy names
+    (ViT: `layers.0.attention.q_proj` -> `encoder.layer.0.attention.attention.query`): its own reverse renaming,
+    applied to placeholders, tells which. Conversions that merge or split tensors are not renames: those
+    parameters keep their own names here (and a file that lacks them is reported)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = [n.replace(".base_layer.", ".") for n, _ in module.named_parameters() if ".lora_" not in n]
+    placeholders = {n: torch.empty(0, device="meta") for n in names}
+    by_id = {id(t): n for n, t in placeholders.items()}
+    try:
+        reverted = revert_weight_conversion(module, dict(placeholders))
+    except Exception:  # noqa: BLE001 - a model without a usable mapping: its names are the file's
+        return {}
+    return {by_id[id(t)]: key for key, t in reverted.items() if id(t) in by_id}
+
+
+def _file_keys(state_key: str, keymap: dict[str, str]) -> tuple[list[str], bool]:
+    """Where a parameter of a (possibly LoRA-injected) module may live: (candidate file keys, is an adapter)."""
     if ".lora_" in state_key:
-        return PEFT_PREFIX + state_key.replace(".default.", "."), True
-    return state_key.replace(".base_layer.", "."), False
+        return [PEFT_PREFIX + state_key.replace(".default.", ".")], True
+    native = state_key.replace(".base_layer.", ".")
+    return [k for k in (keymap.get(native), native) if k], False
 
 
 def _local_rows(param) -> tuple[int, int] | None:
@@ -107,21 +128,50 @@ def fill_module(module: nn.Module, folder: str, device: torch.device) -> list[st
     module.to_empty(device=device)
     for name, buf in module.named_buffers():
         buf.copy_(buffers[name])
+    missing = read_into(module, folder)
+    if missing:
+        logger.warning("hf_omni: %s has no stored value for %s; initialised by %s", folder, missing,
+                       type(module).__name__)
+        _initialise(module, missing)
+    return missing
+
+
+@torch.no_grad()
+def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "",
+              dry_run: bool = False) -> list[str]:
+    """Copy the weights in `folder` (HF files, LoRA adapter beside them) into `module`'s parameters: a sharded
+    parameter reads only this rank's rows. Shapes and dtypes must match (the error names module and parameter);
+    returns the parameters the files lack (`strict`: an error)."""
     weights = SafetensorsIndex.for_weights(folder)
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
-    missing = []
+    plan, missing = [], []
+    keymap = file_key_map(module)
     for name, param in module.named_parameters():
-        key, is_adapter = _file_key(name)
+        keys, is_adapter = _file_keys(name, keymap)
         source = adapter if is_adapter else weights
-        if source is None or key not in source:
+        key = next((k for k in keys if source is not None and k in source), None)
+        if key is None:
             missing.append(name)
             continue
+        handle = source.where[key].get_slice(key)
+        shape, dtype = tuple(handle.get_shape()), handle.get_dtype()
+        if shape != tuple(param.shape) or _DTYPES.get(dtype) != param.dtype:
+            raise ValueError(f"module {module_name!r}: parameter {name} is {tuple(param.shape)} {param.dtype} in "
+                             f"the model but {shape} {dtype} in {folder}")
+        plan.append((name, param, source, key))
+    if strict and missing:
+        raise ValueError(f"module {module_name!r}: {folder} lacks parameters {missing[:5]}")
+    if dry_run:
+        return missing
+    for name, param, source, key in plan:  # only after every check passed: nothing is half-overwritten
         rows = _local_rows(param)
         local = param.to_local() if rows is not None else param
         local.copy_(source.read(key, rows).to(local.dtype))
-    if missing:
-        _initialise(module, missing)
     return missing
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _initialise(module: nn.Module, names: list[str]) -> None:

@@ -177,7 +177,19 @@ class OmniModel(PreTrainedModel):
                         is_main_process=is_main_process)
             entries.append(entry)
         if is_main_process:
-            OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(save_directory)
+            self.write_config(save_directory, entries)
+
+    def write_config(self, directory: str, entries: list[dict] | None = None) -> None:
+        """The root `config.json`: module names in order, each one's original class, subfolder and source."""
+        if entries is None:
+            entries = []
+            for name, module in self.omni_modules().items():
+                entry = dict(self.config.module_entry(name))
+                entry["class"] = original_class(module).__name__
+                processor = self.processors.get(name)
+                entry["processor"] = processor_kind(processor) if processor is not None else None
+                entries.append(entry)
+        OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,

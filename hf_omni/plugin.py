@@ -14,6 +14,7 @@ For people who write their own Accelerate loop (OmniTrainer is a thin layer over
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -60,6 +61,7 @@ class OmniPlugin:
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.model: OmniModel | None = None
         self._params: dict[str, list[nn.Parameter]] = {}  # each trainable module's trainable parameters
+        self._pending_save: tuple | None = None  # (directory, step, DCP futures) of a save without its marker
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -196,6 +198,132 @@ class OmniPlugin:
                 if params and max_norm and max_norm > 0:
                     clip_grads_with_norm_(params, max_norm, self.grad_norms[name])
         return total
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_state(self, directory: str, step: int | None = None, write_marker: bool = True) -> None:
+        """Every rank: module folders (HF files + `state/` with DCP optimizer shards and the scheduler), the root
+        `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
+        With `save_async`, DCP writes in the background and the marker waits for the next save or
+        `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
+        from .checkpoint import _rank, barrier, save_optimizer_state
+        from .export import save_module
+
+        self.wait_for_save()
+        main = _rank() == 0
+        if main:
+            os.makedirs(directory, exist_ok=True)
+        barrier()
+        self._write_frozen_sources()
+        futures = []
+        for name in self.trainable:
+            module = getattr(self.model, name)
+            folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
+            save_module(module, folder, self.model.processors.get(name), is_main_process=main)
+            future = save_optimizer_state(module, self.optimizer.optimizers[name], self.scheduler.schedulers[name],
+                                          folder, async_save=self.args.save_async)
+            futures += [future] if future is not None else []
+        if main:
+            self.model.write_config(directory)
+        self._pending_save = (directory, step, futures)
+        if write_marker and not self.args.save_async:
+            self.wait_for_save()
+
+    def wait_for_save(self) -> None:
+        """Finish the save in flight: wait for its shards on every rank, then write its marker (rank 0)."""
+        from .checkpoint import _rank, barrier, marker_info, write_marker
+
+        if self._pending_save is None:
+            return
+        directory, step, futures = self._pending_save
+        self._pending_save = None
+        for future in futures:
+            future.result()
+        barrier()
+        if _rank() == 0:
+            write_marker(directory, marker_info(directory, step, list(self.trainable)))
+        barrier()
+
+    def _write_frozen_sources(self) -> None:
+        """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
+        which becomes its recorded source."""
+        from .checkpoint import _rank
+        from .export import save_module
+
+        for name in self.module_args:
+            entry = self.model.config.module_entry(name)
+            if name in self.trainable or entry.get("source"):
+                continue
+            if not self.output_dir:
+                raise ValueError(f"module {name!r} is frozen and was built in memory: saving it needs an output_dir "
+                                 "(args.output_dir, or OmniPlugin(output_dir=...))")
+            folder = os.path.abspath(os.path.join(self.output_dir, "frozen", name))
+            save_module(getattr(self.model, name), folder, self.model.processors.get(name),
+                        is_main_process=_rank() == 0)
+            entry["source"] = folder
+
+    def fill_from_checkpoint(self, model: OmniModel, directory: str) -> set[str]:
+        """Before `prepare`: modules still on the meta device (`empty_init`) will be filled from the checkpoint
+        (trainable ones) or their recorded source (frozen ones) instead of their initial weights. Returns them."""
+        from .config import OmniConfig
+
+        if not model.pending_weights:
+            return set()
+        config = OmniConfig.from_pretrained(directory)
+        filled = set()
+        for name in list(model.pending_weights):
+            entry = config.module_entry(name)
+            folder = os.path.join(directory, entry["subfolder"])
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                folder = entry.get("source")
+            if folder and os.path.isdir(folder):
+                model.pending_weights[name] = folder
+                filled.add(name)
+        return filled
+
+    def check_state(self, directory: str) -> dict:
+        """Every check of a checkpoint against this model, before anything is loaded (names the module and
+        parameter that differ)."""
+        from .checkpoint import check_complete
+        from .config import OmniConfig
+
+        marker = check_complete(directory)
+        saved, ours = set(marker["modules"]), set(self.trainable)
+        if saved != ours:
+            raise ValueError(f"checkpoint {directory} holds trainable modules {sorted(saved)}, this model trains "
+                             f"{sorted(ours)} (missing: {sorted(ours - saved)}, extra: {sorted(saved - ours)})")
+        config = OmniConfig.from_pretrained(directory)
+        if config.module_names != self.model.module_names:
+            raise ValueError(f"checkpoint {directory} has modules {config.module_names}, the model "
+                             f"{self.model.module_names}")
+        return marker
+
+    def load_state(self, directory: str, weights_loaded: set[str] = frozenset()) -> None:
+        """Every rank: read back what `save_state` wrote — each trainable module's weights (its own rows of a
+        sharded one), optimizer shards (resharded by DCP at another world size) and scheduler; frozen modules
+        from their recorded source."""
+        from .checkpoint import load_optimizer_state
+        from .config import OmniConfig
+        from .empty_init import read_into
+
+        self.check_state(directory)
+        config = OmniConfig.from_pretrained(directory)
+        sources = {}
+        for name in self.module_args:
+            entry = config.module_entry(name)
+            sources[name] = os.path.join(directory, entry["subfolder"]) if name in self.trainable else entry["source"]
+            if not sources[name] or not os.path.isdir(sources[name]):
+                raise ValueError(f"checkpoint {directory}: module {name!r} has no weights folder ({sources[name]})")
+        for name, folder in sources.items():  # shapes / dtypes of every module first: nothing half-loaded
+            if name not in weights_loaded:
+                read_into(getattr(self.model, name), folder, strict=True, module_name=name, dry_run=True)
+        for name, folder in sources.items():
+            if name not in weights_loaded:
+                read_into(getattr(self.model, name), folder, strict=True, module_name=name)
+            if not self.model.config.module_entry(name).get("source"):
+                self.model.config.module_entry(name)["source"] = config.module_entry(name).get("source")
+        for name in self.trainable:
+            load_optimizer_state(getattr(self.model, name), self.optimizer.optimizers[name],
+                                 self.scheduler.schedulers[name], sources[name])
 
     def log_metrics(self) -> dict[str, float]:
         """`grad_norm/<module>` (pre-clip) and `lr/<module>` (the rate it used) of the last optimizer step."""

@@ -7,7 +7,11 @@ hooks are overridden (and checked against the installed Trainer by `check_traine
 - `_clip_grad_norm` / `_get_grad_norm`: per-module or global clipping, combined norm;
 - `log`: adds `grad_norm/<module>` and `lr/<module>`;
 - `save_model`: one HF folder per module plus the root config;
-- `_move_model_to_device`: leaves `empty_init` modules on the meta device for the plugin to fill.
+- `_move_model_to_device`: leaves `empty_init` modules on the meta device for the plugin to fill;
+- `train` / `_load_from_checkpoint` / `_save_checkpoint` / `_load_rng_state`: per-module checkpoints (see
+  `hf_omni.checkpoint`): `resume_from_checkpoint=True` takes the newest *complete* checkpoint, the marker is
+  written after Trainer's own state, rotation only counts complete checkpoints, and a rank without an RNG file
+  of its own (resuming at another world size) gets a state derived from the saved ones.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "log": ("self", "logs", "start_time"),
     "save_model": ("self", "output_dir", "_internal_call"),
     "_move_model_to_device": ("self", "model", "device"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+    "_load_rng_state": ("self", "checkpoint"),
 }
 
 
@@ -58,9 +66,99 @@ class OmniTrainer(Trainer):
                              "`modules:` (learning_rate, optim, lr_scheduler_type, ...)")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init=: pass the composed model itself")
+        if args.load_best_model_at_end:
+            raise ValueError("load_best_model_at_end: not supported by OmniTrainer yet")
         self.plugin = plugin if plugin is not None else OmniPlugin.from_args(args)
         self.plugin.resolve(model)  # every argument error before any compute
+        self._resume_dir: str | None = None
         super().__init__(model=model, args=args, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`resume_from_checkpoint=True` takes the newest checkpoint that has its completion marker; an explicit
+        path must exist and be complete. Both are checked before anything is loaded."""
+        from .checkpoint import check_complete, newest_complete_checkpoint
+
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            check_complete(str(resume_from_checkpoint))
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self.plugin.wait_for_save()  # an async save still in flight gets its marker
+        return output
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Trainer calls this before preparing; the modules are read in place by the plugin once prepared
+        self._resume_dir = resume_from_checkpoint
+
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from .checkpoint import rotate
+
+        self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.plugin.save_state(output_dir, step=self.state.global_step, write_marker=False)
+        self._save_rng_state(output_dir)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:
+            for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
+                       if isinstance(cb, ExportableState)]:
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+        if not self.args.save_async:
+            self.plugin.wait_for_save()  # the marker, after Trainer's own state
+        if self.args.should_save:
+            rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        """Each rank restores its own RNG file; at another world size, a rank without one gets a deterministic
+        state derived from the saved ones (with a warning)."""
+        import glob
+        import tempfile
+        import warnings
+
+        if checkpoint is None:
+            return
+        rank, world = self.args.process_index, self.args.world_size
+        expected = f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"
+        mine = [f"rng_state_{rank}.pth"] + (["rng_state.pth"] if rank == 0 else [])
+        found = next((os.path.join(checkpoint, f) for f in [expected] + mine
+                      if os.path.isfile(os.path.join(checkpoint, f))), None)
+        if found is not None and os.path.basename(found) == expected:
+            return super()._load_rng_state(checkpoint)
+        if found is not None:  # saved at another world size under the other name: let Trainer read it
+            with tempfile.TemporaryDirectory() as tmp:
+                os.symlink(os.path.abspath(found), os.path.join(tmp, expected))
+                return super()._load_rng_state(tmp)
+        saved = sorted(glob.glob(os.path.join(checkpoint, "rng_state*.pth")))
+        if not saved:
+            return super()._load_rng_state(checkpoint)
+        import hashlib
+        import random
+
+        import numpy as np
+        import torch
+
+        base = torch.load(saved[0], weights_only=True)["cpu"].numpy().tobytes()
+        seed = int(hashlib.sha256(base + rank.to_bytes(4, "little")).hexdigest()[:8], 16)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        warnings.warn(f"rank {rank}: no RNG state of its own in {checkpoint} (saved at another world size); "
+                      f"seeded it with {seed}, derived from {os.path.basename(saved[0])} and the rank")
 
     # -- setup ----------------------------------------------------------------------------------
     def _move_model_to_device(self, model, device):
@@ -73,14 +171,17 @@ class OmniTrainer(Trainer):
                 module.to(device)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        filled = set()
         if self.plugin.model is None:
+            if resume_from_checkpoint is not None:  # empty_init: modules go straight from meta to the checkpoint
+                filled = self.plugin.fill_from_checkpoint(self.model, resume_from_checkpoint)
             _, self.optimizer, self.lr_scheduler = self.plugin.prepare(self.accelerator, self.model, max_steps)
         else:  # a second train() call: fresh optimizers and schedulers over the already prepared modules
             self.plugin.build_optimizers(max_steps)
             self.optimizer, self.lr_scheduler = self.plugin.optimizer, self.plugin.scheduler
         self.model_wrapped = self.model
         if resume_from_checkpoint is not None:
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self.plugin.load_state(resume_from_checkpoint, weights_loaded=filled)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader

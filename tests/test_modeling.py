@@ -167,3 +167,25 @@ def test_forward_dropping_kwargs_scales_loss_by_accumulation(tmp_path):
     trainer = OmniTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     assert step_losses(trainer)[0] == pytest.approx(2 * mean_loss, rel=1e-3)
+
+
+def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
+    """empty_init + prepare (no process group: every module filled whole) gives exactly the saved weights,
+    including a ViT saved under transformers' legacy key names and a LoRA adapter beside the LLM's weights."""
+    from accelerate import Accelerator
+
+    from hf_omni import OmniPlugin
+
+    model = tiny_model()
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False), model.llm)
+    model.save_pretrained(tmp_path)
+    eager = Captioner.from_pretrained(tmp_path)
+    empty = Captioner.from_pretrained(tmp_path, empty_init=True)
+    assert all(p.is_meta for p in empty.parameters())
+    plugin = OmniPlugin(modules={"vision": {"trainable": False}}, output_dir=str(tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="hf_omni.empty_init"):
+        plugin.prepare(Accelerator(cpu=True), empty, num_training_steps=1)
+    assert "pooler" in caplog.text  # the one parameter the files lack (ViT's config forgets add_pooling_layer)
+    state = {k: v for k, v in eager.state_dict().items() if ".pooler." not in k}
+    for key, value in state.items():
+        assert torch.equal(value, empty.state_dict()[key]), key

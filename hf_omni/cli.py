@@ -1,0 +1,44 @@
+"""`hf-omni export CHECKPOINT OUT`: a checkpoint as a plain per-module export, in one process (no training job,
+no process group). Trainable modules come from the checkpoint, frozen ones from their recorded source; the
+result is what `save_model()` writes, ready for `from_pretrained` or upload."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from .checkpoint import STATE, check_complete
+from .config import OmniConfig
+
+
+def export(checkpoint: str, out: str) -> None:
+    check_complete(checkpoint)
+    config = OmniConfig.from_pretrained(checkpoint)
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"{out} exists and is not empty: nothing was written")
+    os.makedirs(out, exist_ok=True)
+    for entry in config.modules:
+        folder = os.path.join(checkpoint, entry["subfolder"])
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            folder = entry.get("source")
+            if not folder or not os.path.isdir(folder):
+                raise ValueError(f"module {entry['name']!r}: not in {checkpoint} and no recorded source")
+        shutil.copytree(folder, os.path.join(out, entry["subfolder"]), ignore=shutil.ignore_patterns(STATE))
+    config.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hf-omni", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    export_parser = commands.add_parser("export", help="a checkpoint as config.json + one HF folder per module")
+    export_parser.add_argument("checkpoint")
+    export_parser.add_argument("out")
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        export(args.checkpoint, args.out)
+        print(f"exported {args.checkpoint} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Per-module checkpoints, single process: layout, exact resume, frozen sources, markers, rotation, bad input."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import Captioner, assert_state_close, make_args, step_losses, tiny_data, tiny_model
+from transformers import AutoModelForCausalLM
+
+from hf_omni import OmniTrainer
+from hf_omni.checkpoint import MARKER
+
+MODULES = {
+    "vision": {"trainable": False},
+    "projector": {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "max_grad_norm": 0.05},
+    "llm": {"learning_rate": 1e-3, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}, "warmup_steps": 2},
+}
+
+
+def run(tmp_path, steps=10, resume=None, model=None, **kw):
+    model = model or tiny_model()
+    args = make_args(tmp_path, max_steps=steps, save_strategy="steps", save_steps=5, modules=MODULES,
+                     train_sampling_strategy="random", **kw)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model
+
+
+def test_layout_and_each_module_folder_loads(tmp_path):
+    trainer, model = run(tmp_path)
+    ckpt = tmp_path / "checkpoint-5"
+    assert (ckpt / MARKER).exists() and (ckpt / "trainer_state.json").exists() and (ckpt / "rng_state.pth").exists()
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["llm", "projector"]  # no frozen vision
+    assert (ckpt / "llm" / "adapter_model.safetensors").exists() and (ckpt / "llm" / "state" / "scheduler.pt").exists()
+    marker = json.loads((ckpt / MARKER).read_text())
+    assert marker["step"] == 5 and marker["modules"] == ["projector", "llm"] and marker["world_size"] == 1
+    assert "llm/model.safetensors" in marker["files"]
+    root = json.loads((ckpt / "config.json").read_text())
+    vision_source = {m["name"]: m["source"] for m in root["modules"]}["vision"]
+    assert vision_source == str(tmp_path / "frozen" / "vision")  # built in memory: written once, then its source
+    AutoModelForCausalLM.from_pretrained(ckpt / "llm")  # loadable as is
+    assert Captioner.from_pretrained(ckpt) is not None
+
+
+def test_resume_is_exact(tmp_path):
+    straight, straight_model = run(tmp_path / "straight")
+    first, _ = run(tmp_path / "split", steps=10)  # the same run, interrupted below by resuming from step 5
+    os.remove(tmp_path / "split" / "checkpoint-10" / MARKER)  # pretend it died before step 10's save finished
+    resumed, resumed_model = run(tmp_path / "split", resume=True, model=tiny_model(seed=1))  # other init weights
+    assert resumed.state.global_step == 10
+    assert step_losses(resumed) == step_losses(straight)  # 1-5 from the restored history, 6-10 rerun
+    for key, value in straight_model.state_dict().items():
+        assert torch.equal(value, resumed_model.state_dict()[key]), key
+
+
+def test_frozen_module_reloads_from_its_source(tmp_path):
+    run(tmp_path / "a")
+    other = tiny_model(seed=7)  # a vision encoder with other weights: resume must restore the recorded source
+    _, model = run(tmp_path / "a", resume=str(tmp_path / "a" / "checkpoint-5"), model=other)
+    source = Captioner.from_pretrained(tmp_path / "a" / "checkpoint-5").vision.state_dict()
+    for key, value in model.vision.state_dict().items():
+        assert torch.equal(value, source[key]), key
+
+
+def test_bad_resume_inputs_fail_before_anything(tmp_path):
+    run(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run(tmp_path, resume=str(tmp_path / "checkpoint-99"))
+    os.remove(tmp_path / "checkpoint-5" / MARKER)
+    with pytest.raises(ValueError, match="no hf_omni_checkpoint.json"):
+        run(tmp_path, resume=str(tmp_path / "checkpoint-5"))
+    shard = next((tmp_path / "checkpoint-10" / "llm" / "state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(ValueError, match="llm/state/.*has 10 bytes"):
+        run(tmp_path, resume=str(tmp_path / "checkpoint-10"))
+    with pytest.raises(ValueError, match="llm/state/.*has 10 bytes"):  # the newest with a marker: never skipped
+        run(tmp_path, resume=True)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        run(tmp_path / "empty", resume=True)
+
+
+def test_resume_with_other_shapes_names_module_and_parameter(tmp_path):
+    run(tmp_path)
+    from digits import build_model
+
+    wider = build_model(hidden=32, layers=1, llm_hidden=48, llm_layers=1)
+    with pytest.raises(ValueError, match=r"module 'projector'.*layers\.0\.weight"):
+        run(tmp_path, resume=True, model=wider)
+    changed = dict(MODULES, projector={"trainable": False})
+    model = tiny_model()
+    args = make_args(tmp_path, max_steps=10, save_strategy="steps", save_steps=5, modules=changed)
+    with pytest.raises(ValueError, match=r"missing: \[\].*extra: \['projector'\]"):
+        OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48)).train(resume_from_checkpoint=True)
+
+
+def test_rotation_counts_only_complete_checkpoints(tmp_path):
+    run(tmp_path, steps=15, save_total_limit=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15"]
+    # an incomplete newer checkpoint is neither counted nor removed, and never picked for resume
+    partial = tmp_path / "checkpoint-20"
+    partial.mkdir()
+    from hf_omni.checkpoint import newest_complete_checkpoint, rotate
+
+    assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-15")
+    assert rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-10")) == []  # newest and best both stay
+    assert partial.exists()
+
+
+def test_export_equals_save_model(tmp_path):
+    trainer, model = run(tmp_path)
+    trainer.save_model(str(tmp_path / "final"))
+    from hf_omni.cli import export
+
+    export(str(tmp_path / "checkpoint-10"), str(tmp_path / "exported"))
+    a, b = Captioner.from_pretrained(tmp_path / "final"), Captioner.from_pretrained(tmp_path / "exported")
+
+    def saved(state):  # ViT's config does not record add_pooling_layer=False: a reload adds a random pooler
+        return {k: v for k, v in state.items() if not k.startswith("vision.pooler.")}
+
+    assert_state_close(saved(a.state_dict()), saved(b.state_dict()), atol=0)
+    assert_state_close(saved(a.state_dict()), model.state_dict(), atol=0)
+    with pytest.raises(FileExistsError):
+        export(str(tmp_path / "checkpoint-10"), str(tmp_path / "exported"))
