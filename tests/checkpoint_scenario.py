@@ -1,0 +1,20 @@
+"""The run the resume and kill tests share: 15 steps, a checkpoint every 5, keep 1, accumulation 2."""
+
+from helpers import make_args, tiny_data, tiny_model
+
+from hf_omni import OmniTrainer
+
+MODULES = {
+    "vision": {"trainable": False},
+    "projector": {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "max_grad_norm": 0.05},
+    "llm": {"learning_rate": 1e-3, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}, "warmup_steps": 2},
+}
+
+
+def make_trainer(out_dir, seed=0, callbacks=(), **overrides):
+    model = tiny_model(seed=seed)
+    args = dict(max_steps=15, save_strategy="steps", save_steps=5, save_total_limit=1, modules=MODULES,
+                train_sampling_strategy="random", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    args.update(overrides)
+    return OmniTrainer(model=model, args=make_args(out_dir, **args), train_dataset=tiny_data(model, 48),
+                       callbacks=list(callbacks))
