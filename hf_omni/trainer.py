@@ -152,7 +152,10 @@ class OmniTrainer(Trainer):
         import numpy as np
         import torch
 
-        base = torch.load(saved[0], weights_only=True)["cpu"].numpy().tobytes()
+        from transformers.trainer_pt_utils import safe_globals
+
+        with safe_globals():  # the file holds numpy's RNG state too
+            base = torch.load(saved[0], weights_only=True)["cpu"].numpy().tobytes()
         seed = int(hashlib.sha256(base + rank.to_bytes(4, "little")).hexdigest()[:8], 16)
         random.seed(seed)
         np.random.seed(seed)
