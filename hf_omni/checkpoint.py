@@ -137,9 +137,19 @@ def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str
 
 
 # -- one module's resume state --------------------------------------------------------------------------
-def save_optimizer_state(module, optimizer, scheduler, folder: str, async_save: bool = False):
-    """Optimizer state through DCP (every rank its own shards), scheduler state on rank 0. Returns DCP's future
-    when `async_save`."""
+def make_stager():
+    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
+    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=gpu))
+
+
+def save_optimizer_state(module, optimizer, scheduler, folder: str, stager=None):
+    """Optimizer state through DCP (every rank its own shards), scheduler state on rank 0. With a `stager` the
+    save is asynchronous: returns DCP's future."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -148,8 +158,8 @@ def save_optimizer_state(module, optimizer, scheduler, folder: str, async_save: 
     state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     if _rank() == 0:
         torch.save(scheduler.state_dict(), os.path.join(state_dir, SCHEDULER))
-    if async_save:
-        return dcp.async_save(state, checkpoint_id=state_dir)
+    if stager is not None:
+        return dcp.async_save(state, checkpoint_id=state_dir, async_stager=stager)
     dcp.save(state, checkpoint_id=state_dir)
     return None
 

@@ -107,26 +107,38 @@ def processor_kind(processor: Any) -> str:
 
 
 def save_module(module: nn.Module, folder: str, processor: Any = None, merge_lora: bool = False,
-                is_main_process: bool = True) -> None:
+                is_main_process: bool = True, executor=None):
     """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them). Every rank calls it
-    (a sharded module is gathered); only the main process writes."""
+    (a sharded module is gathered); only the main process writes. With an `executor`, the tensors are copied now
+    and written in the background: returns the future."""
     state = full_state_dict(module)
     if not is_main_process:
-        return
-    os.makedirs(folder, exist_ok=True)
+        return None
     lora = lora_config_of(module)
     weights = merged_state_dict(module, state) if (lora and merge_lora) else base_state_dict(state)
-    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    adapter = None
+    if lora is not None and not merge_lora:
+        from peft import get_peft_model_state_dict
+
+        adapter = {PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(module, state_dict=state).items()}
+    copy = executor is not None  # training goes on while the files are written: write a snapshot
+    weights, adapter = (_cpu(t, copy) if t is not None else None for t in (weights, adapter))
+    write = lambda: _write_module_files(module, folder, weights, lora, adapter, processor)  # noqa: E731
+    return executor.submit(write) if executor is not None else write()
+
+
+def _cpu(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+    return {k: (v.detach().to("cpu", copy=copy)).contiguous() for k, v in tensors.items()}
+
+
+def _write_module_files(module, folder, weights, lora, adapter, processor) -> None:
+    os.makedirs(folder, exist_ok=True)
     module.save_pretrained(folder, state_dict=weights)
     _fix_architectures(folder, original_class(module))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
-    if lora is not None and not merge_lora:
-        from peft import get_peft_model_state_dict
-
-        adapter = get_peft_model_state_dict(module, state_dict=state)
-        adapter = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in adapter.items()}
+    if adapter is not None:
         lora.base_model_name_or_path = None
         lora.save_pretrained(folder)
         save_file(adapter, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -13,6 +13,7 @@ For people who write their own Accelerate loop (OmniTrainer is a thin layer over
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 
@@ -62,6 +63,9 @@ class OmniPlugin:
         self.model: OmniModel | None = None
         self._params: dict[str, list[nn.Parameter]] = {}  # each trainable module's trainable parameters
         self._pending_save: tuple | None = None  # (directory, step, DCP futures) of a save without its marker
+        self._exit_hook = False
+        self._executor = None
+        self._stagers: dict = {}  # module -> DCP stager reused by async saves
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -205,7 +209,7 @@ class OmniPlugin:
         `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
         With `save_async`, DCP writes in the background and the marker waits for the next save or
         `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
-        from .checkpoint import _rank, barrier, save_optimizer_state
+        from .checkpoint import _rank, barrier, make_stager, save_optimizer_state
         from .export import save_module
 
         self.wait_for_save()
@@ -218,15 +222,29 @@ class OmniPlugin:
         for name in self.trainable:
             module = getattr(self.model, name)
             folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
-            save_module(module, folder, self.model.processors.get(name), is_main_process=main)
+            files = save_module(module, folder, self.model.processors.get(name), is_main_process=main,
+                                executor=self._writer() if self.args.save_async else None)
+            futures += [files] if files is not None else []
+            stager = self._stagers.setdefault(name, make_stager()) if self.args.save_async else None
             future = save_optimizer_state(module, self.optimizer.optimizers[name], self.scheduler.schedulers[name],
-                                          folder, async_save=self.args.save_async)
+                                          folder, stager=stager)
             futures += [future] if future is not None else []
         if main:
             self.model.write_config(directory)
         self._pending_save = (directory, step, futures)
+        if futures and not self._exit_hook:  # process exit waits for shards still being written
+            atexit.register(lambda: [f.result() for f in (self._pending_save or (None, None, []))[2]])
+            self._exit_hook = True
         if write_marker and not self.args.save_async:
             self.wait_for_save()
+
+    def _writer(self):
+        """The background thread that writes module files during an async save."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_omni_save")
+        return self._executor
 
     def wait_for_save(self) -> None:
         """Finish the save in flight: wait for its shards on every rank, then write its marker (rank 0)."""

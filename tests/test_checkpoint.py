@@ -122,3 +122,28 @@ def test_export_equals_save_model(tmp_path):
     assert_state_close(saved(a.state_dict()), model.state_dict(), atol=0)
     with pytest.raises(FileExistsError):
         export(str(tmp_path / "checkpoint-10"), str(tmp_path / "exported"))
+
+
+def test_async_save_marks_checkpoint_only_when_written(tmp_path):
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 7:  # the loop went on after the step-5 save; its marker waits
+                seen["marker_at_7"] = (tmp_path / "async" / "checkpoint-5" / MARKER).exists()
+
+    model = tiny_model()
+    args = make_args(tmp_path / "async", max_steps=10, save_strategy="steps", save_steps=5, modules=MODULES,
+                     train_sampling_strategy="random", save_async=True)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48), callbacks=[Probe()])
+    trainer.train()
+    assert seen == {"marker_at_7": False}
+    for step in (5, 10):  # the next save and the end of training finished them
+        assert (tmp_path / "async" / f"checkpoint-{step}" / MARKER).exists()
+    straight, straight_model = run(tmp_path / "sync")
+    resumed, resumed_model = run(tmp_path / "async", resume=str(tmp_path / "async" / "checkpoint-5"),
+                                 model=tiny_model(seed=2))
+    for key, value in straight_model.state_dict().items():
+        assert torch.equal(value, resumed_model.state_dict()[key]), key
