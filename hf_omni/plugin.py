@@ -42,6 +42,7 @@ class OmniPlugin:
 
     def __init__(self, modules: dict | None = None, defaults: dict | None = None, *, output_dir: str | None = None,
                  args: OmniTrainingArguments | None = None):
+        constructed_here = args is None
         if args is None:
             defaults = dict(defaults or {})
             known = set(OmniTrainingArguments.__dataclass_fields__)
@@ -52,7 +53,9 @@ class OmniPlugin:
         elif modules is not None or defaults is not None:
             raise ValueError("OmniPlugin: give either args= or modules= / defaults=, not both")
         self.args = args
-        self.output_dir = output_dir or args.output_dir
+        # where a frozen module built in memory is written once (frozen/<module>/): the Trainer's output_dir, or
+        # the one given here; OmniPlugin(modules=..., defaults=...) without one has none
+        self.output_dir = output_dir or (args.output_dir if not constructed_here else None)
         self.module_args: dict[str, ModuleArguments] = {}
         self.fsdp_plugins: dict = {}
         self.wrapped: dict[str, str] = {}

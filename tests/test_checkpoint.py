@@ -147,3 +147,51 @@ def test_async_save_marks_checkpoint_only_when_written(tmp_path):
                                  model=tiny_model(seed=2))
     for key, value in straight_model.state_dict().items():
         assert torch.equal(value, resumed_model.state_dict()[key]), key
+
+
+def test_plugin_save_and_load_state_in_a_custom_loop(tmp_path):
+    from accelerate import Accelerator
+    from helpers import batches
+
+    from hf_omni import OmniPlugin
+
+    def prepared(seed, output_dir=str(tmp_path / "run")):
+        plugin = OmniPlugin(modules=MODULES, defaults={"optim": "adamw_torch"}, output_dir=output_dir)
+        model, optimizer, scheduler = plugin.prepare(Accelerator(cpu=True), tiny_model(seed=seed),
+                                                     num_training_steps=10)
+        return plugin, model, optimizer, scheduler
+
+    plugin, model, optimizer, scheduler = prepared(0)
+    data = tiny_data(model, 32)
+    for batch in batches(data, 8):
+        model(**batch).loss.backward()
+        plugin.clip_grad_norm_()
+        optimizer.step(), scheduler.step(), optimizer.zero_grad()
+    plugin.save_state(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / MARKER).exists() and (tmp_path / "ckpt" / "config.json").exists()
+    other, other_model, other_optimizer, other_scheduler = prepared(4)
+    other.load_state(str(tmp_path / "ckpt"))
+    assert_state_close(other_model.state_dict(), model.state_dict(), atol=0)
+    assert other_scheduler.get_last_lr() == scheduler.get_last_lr()
+    for name, opt in optimizer.optimizers.items():
+        mine = opt.state_dict()["state"]
+        theirs = other_optimizer.optimizers[name].state_dict()["state"]
+        assert all(torch.equal(mine[i]["exp_avg"], theirs[i]["exp_avg"]) for i in mine)
+    no_dir, *_ = prepared(0, output_dir=None)
+    with pytest.raises(ValueError, match="module 'vision' is frozen and was built in memory"):
+        no_dir.save_state(str(tmp_path / "elsewhere"))
+
+
+def test_export_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    run(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "hf_omni.cli", "export", str(tmp_path / "checkpoint-10"),
+                             str(tmp_path / "out")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "llm", "projector", "vision"]
+    assert not (tmp_path / "out" / "llm" / "state").exists()
+    bad = subprocess.run([sys.executable, "-m", "hf_omni.cli", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "does not exist" in bad.stderr
