@@ -22,6 +22,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, HERE)
+from timing import StepTimer  # noqa: E402
 
 WARMUP, MEASURED, ROUNDS, BATCH = 5, 40, 3, 64
 BIG = dict(hidden=64, layers=2, llm_hidden=768, llm_layers=16)  # the LLM: ~151M parameters
@@ -41,35 +43,18 @@ def launch(*args: str, env: dict | None = None) -> str:
 
 
 # -- 1. step time ---------------------------------------------------------------------------------
-class StepTimer:
-    def __init__(self):
-        self.times, self.last = [], None
-
-    def tick(self):
-        now = time.perf_counter()
-        if self.last is not None:
-            self.times.append(now - self.last)
-        self.last = now
-
 
 def run_omni(train_set, steps):
     from digits import build_model
-    from transformers import TrainerCallback
-
     from hf_omni import OmniTrainer, OmniTrainingArguments
 
     timer = StepTimer()
-
-    class Tick(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            timer.tick()
-
     args = OmniTrainingArguments(
         output_dir="/tmp/hf_omni_bench/fsdp_omni", max_steps=steps, per_device_train_batch_size=BATCH,
         learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch", use_cpu=True, report_to="none",
         save_strategy="no", disable_tqdm=True, logging_steps=10_000, dataloader_drop_last=True, modules=MODULES)
-    OmniTrainer(model=build_model(), args=args, train_dataset=train_set, callbacks=[Tick()]).train()
-    return timer.times[WARMUP - 1:]
+    OmniTrainer(model=build_model(), args=args, train_dataset=train_set, callbacks=[timer.callback()]).train()
+    return timer.measured(WARMUP)
 
 
 def run_by_hand(train_set, steps):
@@ -119,7 +104,7 @@ def run_by_hand(train_set, steps):
             step += 1
             if step == steps:
                 break
-    return timer.times[WARMUP - 1:]
+    return timer.measured(WARMUP)
 
 
 def step_time_worker():

@@ -21,6 +21,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, HERE)
+from timing import StepTimer  # noqa: E402
 
 WARMUP, MEASURED, ROUNDS, BATCH = 10, 60, 5, 64
 LRS = {"vision": 1e-3, "projector": 3e-3, "llm": 1e-3}
@@ -42,40 +44,18 @@ def _args(output_dir, **kw):
         logging_steps=10_000, dataloader_drop_last=True, optim="adamw_torch", seed=0, **kw)
 
 
-class StepTimer:
-    """Collects the wall time of each optimizer step after the warm-up."""
-
-    def __init__(self):
-        self.times, self.last = [], None
-
-    def tick(self):
-        now = time.perf_counter()
-        if self.last is not None:
-            self.times.append(now - self.last)
-        self.last = now
-
-    def measured(self):
-        return self.times[WARMUP - 1:]
-
 
 def run_omni(train_set):
     from digits import build_model
-    from transformers import TrainerCallback
-
     from hf_omni import OmniTrainer
 
     timer = StepTimer()
-
-    class Tick(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            timer.tick()
-
     model = build_model()
     modules = {name: {"learning_rate": lr} for name, lr in LRS.items()}
     trainer = OmniTrainer(model=model, args=_args("/tmp/hf_omni_bench/omni", modules=modules),
-                          train_dataset=train_set, callbacks=[Tick()])
+                          train_dataset=train_set, callbacks=[timer.callback()])
     trainer.train()
-    return timer.measured()
+    return timer.measured(WARMUP)
 
 
 def run_trainer(train_set):
@@ -84,11 +64,6 @@ def run_trainer(train_set):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     timer = StepTimer()
-
-    class Tick(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            timer.tick()
-
     model = build_model()
     groups = [{"params": list(getattr(model, n).parameters()), "lr": lr} for n, lr in LRS.items()]
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
@@ -97,9 +72,9 @@ def run_trainer(train_set):
         learning_rate=1e-3, lr_scheduler_type="cosine", use_cpu=True, report_to="none", save_strategy="no",
         disable_tqdm=True, logging_steps=10_000, dataloader_drop_last=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=train_set, optimizers=(optimizer, None),
-                      callbacks=[Tick()])
+                      callbacks=[timer.callback()])
     trainer.train()
-    return timer.measured()
+    return timer.measured(WARMUP)
 
 
 def run_reference(train_set):
@@ -141,7 +116,7 @@ def run_reference(train_set):
             step += 1
             if step == TOTAL_STEPS:
                 break
-    return timer.measured()
+    return timer.measured(WARMUP)
 
 
 def worker():

@@ -167,28 +167,23 @@ class OmniModel(PreTrainedModel):
         save_directory = str(save_directory)
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
+        for name, module in self.omni_modules().items():
+            folder = os.path.join(save_directory, self.config.module_entry(name)["subfolder"])
+            save_module(module, folder, self.processors.get(name), merge_lora=merge_lora,
+                        is_main_process=is_main_process)
+        if is_main_process:
+            self.write_config(save_directory)
+
+    def write_config(self, directory: str) -> None:
+        """The root `config.json`: module names in order, each one's original class, subfolder, source and
+        processor kind."""
         entries = []
         for name, module in self.omni_modules().items():
             entry = dict(self.config.module_entry(name))
             entry["class"] = original_class(module).__name__
             processor = self.processors.get(name)
             entry["processor"] = processor_kind(processor) if processor is not None else None
-            save_module(module, os.path.join(save_directory, entry["subfolder"]), processor, merge_lora=merge_lora,
-                        is_main_process=is_main_process)
             entries.append(entry)
-        if is_main_process:
-            self.write_config(save_directory, entries)
-
-    def write_config(self, directory: str, entries: list[dict] | None = None) -> None:
-        """The root `config.json`: module names in order, each one's original class, subfolder and source."""
-        if entries is None:
-            entries = []
-            for name, module in self.omni_modules().items():
-                entry = dict(self.config.module_entry(name))
-                entry["class"] = original_class(module).__name__
-                processor = self.processors.get(name)
-                entry["processor"] = processor_kind(processor) if processor is not None else None
-                entries.append(entry)
         OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
 
     @classmethod
