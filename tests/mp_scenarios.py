@@ -46,6 +46,7 @@ SCENARIOS = {
     "two_fsdp": scenario(TWO_FSDP, atol=3e-2),  # llm computes in bf16 at 2 ranks, fp32 at 1
     "fsdp_methods": scenario(METHODS, model="tiny_feature_model", atol=1e-5),
     "fsdp_empty_init": scenario(FULL_FSDP, model="empty_init_model", atol=1e-5),
+    "fsdp_frozen_sharded": scenario({**FSDP_MODULES, "vision": {"trainable": False, "parallel": "fsdp"}}, atol=1e-5),
 }
 
 # set in the 2-rank run's environment: hf_omni must ignore them and leave them as they are

@@ -81,7 +81,7 @@ def test_fsdp_module_beside_replicated_and_frozen(two_rank_results):
     assert (export / "llm" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.parametrize("name", ["fsdp", "two_fsdp", "fsdp_model_scope"])
+@pytest.mark.parametrize("name", ["fsdp", "two_fsdp", "fsdp_model_scope", "fsdp_frozen_sharded"])
 def test_sharded_parameter_bytes_are_half_per_rank(two_rank_results, name):
     facts = two_rank_results[name]["facts"]
     for module, kind in facts["wrapped"].items():
@@ -141,3 +141,11 @@ def test_empty_init_reads_only_each_ranks_shards(two_rank_results):
         assert shape[0] == -(-full[0] // 2) and shape[1:] == full[1:], (key, shape, full)  # half the rows
     for key, shape, full in other_reads:
         assert shape == full, key
+
+
+def test_frozen_module_sharded_only_when_its_entry_asks(two_rank_results):
+    asked = two_rank_results["fsdp_frozen_sharded"]["facts"]
+    assert asked["wrapped"]["vision"] == "fsdp" and asked["classes"]["vision"] == "FSDPViTModel"
+    assert not asked["requires_grad"]["vision"] and asked["optimized"] == ["llm", "projector"]
+    default = two_rank_results["fsdp"]["facts"]  # parallel: fsdp inherited from nowhere: a frozen module stays
+    assert default["wrapped"]["vision"] == "none" and default["optimized"] == ["llm", "projector"]

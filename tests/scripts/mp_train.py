@@ -75,6 +75,8 @@ def main(out_dir: str, names: list[str]):
             "fsdp_plugins": {n: {"wrap": p.transformer_cls_names_to_wrap, "reshard": p.reshard_after_forward,
                                  "mp": str(p.mixed_precision_policy), "id": id(p)} for n, p in plugins.items()},
             "world_size": dist.get_world_size(),
+            "optimized": sorted(trainer.plugin.optimizer.optimizers),
+            "requires_grad": {n: any(p.requires_grad for p in m.parameters()) for n, m in model.omni_modules().items()},
             "gathered": {"in_window": probe.in_window, "after_step": probe.after_step},
             "env": {k: os.environ.get(k) for k in FSDP_ENV},
             "sharding": sharding_facts(model),
