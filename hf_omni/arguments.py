@@ -138,6 +138,8 @@ def check_value(module: str | None, key: str, value: Any) -> Any:
         raise OmniArgumentError(module, key, f"unknown optimizer {value!r}")
     if key == "lr_scheduler_type" and value not in {s.value for s in SchedulerType}:
         raise OmniArgumentError(module, key, f"unknown scheduler {value!r}")
+    if key == "lr_scheduler_type" and value in ("reduce_lr_on_plateau", "greedy"):
+        raise OmniArgumentError(module, key, f"{value!r} steps on metrics, which per-module schedulers do not get")
     if key == "fsdp_plugin" and value:
         check_fsdp_plugin(module, value)
     if key == "lora" and value:

@@ -139,8 +139,8 @@ def shard_module(module: nn.Module, plugin, device: torch.device, lazy_init: boo
                 fully_shard(sub, **kwargs)
     embed, out_embed = _embeddings(module)
     tied = embed is not None and out_embed is not None and embed.weight is out_embed.weight
-    if embed is not None and not tied and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
-        fully_shard(embed, **kwargs)
+    if embed is not None and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
+        fully_shard([embed, out_embed] if tied else embed, **kwargs)  # tied weights: one unit for both
     fully_shard(module, **kwargs)
     if lazy_init:
         lazy_init_root(module)

@@ -212,13 +212,17 @@ class OmniPlugin:
         `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
         With `save_async`, DCP writes in the background and the marker waits for the next save or
         `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
-        from .checkpoint import _rank, barrier, make_stager, save_optimizer_state
+        from .checkpoint import MARKER, _fsync_dir, _rank, barrier, make_stager, save_optimizer_state
         from .export import save_module
 
         self.wait_for_save()
         main = _rank() == 0
         if main:
             os.makedirs(directory, exist_ok=True)
+            stale = os.path.join(directory, MARKER)
+            if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
+                os.remove(stale)
+                _fsync_dir(directory)
         barrier()
         self._write_frozen_sources()
         futures = []

@@ -68,6 +68,7 @@ PARSE_ERRORS = [
     (dict(modules={"llm": {"parallel": "tp"}}), "modules.llm.parallel"),
     (dict(modules={"llm": {"optim": "adamw_nonexistent"}}), "modules.llm.optim"),
     (dict(modules={"llm": {"lr_scheduler_type": "zigzag"}}), "modules.llm.lr_scheduler_type"),
+    (dict(modules={"llm": {"lr_scheduler_type": "reduce_lr_on_plateau"}}), "modules.llm.lr_scheduler_type"),
     (dict(modules={"llm": {"lora": {"rank": 3}}}), "modules.llm.lora"),
     (dict(modules={"llm": {"fsdp_plugin": {"shard": True}}}), "modules.llm.fsdp_plugin.shard"),
     (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10, "transformer_cls_names_to_wrap": ["X"]}}}),

@@ -195,3 +195,24 @@ def test_export_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hf_omni.cli", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_resave_removes_the_old_marker_first(tmp_path):
+    """A save into a folder that already holds a complete checkpoint makes it incomplete until it finishes."""
+    from hf_omni import checkpoint
+
+    trainer, _ = run(tmp_path, steps=5)
+    ckpt = str(tmp_path / "checkpoint-5")
+    seen = {}
+    original = checkpoint.write_marker
+
+    def spy(directory, info):
+        seen["before"] = os.path.exists(os.path.join(directory, MARKER))
+        original(directory, info)
+
+    checkpoint.write_marker = spy
+    try:
+        trainer.plugin.save_state(ckpt)
+    finally:
+        checkpoint.write_marker = original
+    assert seen == {"before": False} and (tmp_path / "checkpoint-5" / MARKER).exists()
