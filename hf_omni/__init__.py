@@ -5,7 +5,9 @@ A composed model (`OmniModel`) of named HF sub-models, per-module training setti
 `transformers.Trainer` over it (`OmniTrainer`).
 """
 
-from .arguments import ModuleArguments, OmniArgumentError, OmniTrainingArguments
+from .arguments import OmniTrainingArguments
+from .errors import OmniArgumentError
+from .module_arguments import ModuleArguments
 from .config import OmniConfig
 from .modeling import OmniModel
 from .plugin import OmniPlugin

@@ -1,180 +1,156 @@
-"""Per-module checkpoints: HF-format module folders + sharded (DCP) optimizer state, a completion marker last.
+"""`ModuleCheckpointer`: saves and loads the per-module state of a prepared composed model.
 
-    <dir>/config.json                 root OmniConfig (module sources recorded)
-    <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
-        config.json, model.safetensors (+ adapter files for LoRA), tokenizer / processor files
-        state/                        optimizer state through torch.distributed.checkpoint (each rank writes its
-                                      own shards, no gather) + scheduler.pt
-    <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
+    save:  remove a stale marker -> frozen sources (once) -> per trainable module: HF folder (rank 0, gathered) +
+           optimizer shards (DCP, every rank) + scheduler -> root config.json -> [async: later] every rank done ->
+           marker (rank 0, atomic)
+    load:  checks (marker, files, module set) -> every module's shapes / dtypes -> weights (each rank its own rows)
+           -> optimizer shards (DCP reshards) + scheduler
 
-What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
-they also serve resume — each rank reads back only its own rows of a sharded module. Optimizer state never
-leaves its shards: DCP reshards it on load, so a checkpoint resumes at another world size.
-Fully frozen modules write nothing; they reload from their recorded source (a module built in memory is written
-once to `<output_dir>/frozen/<module>/`, which becomes its source).
+The layout is in `checkpoint_files`. RNG and data position stay the loop's (Trainer's own files, or
+`accelerator.save_state` in a custom loop).
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import os
-import re
 
-import torch
-import torch.distributed as dist
-
-MARKER = "hf_omni_checkpoint.json"
-STATE = "state"
-SCHEDULER = "scheduler.pt"
-FORMAT = 1
-_STEP = re.compile(r"checkpoint-(\d+)$")
+from . import checkpoint_files as files
+from .config import OmniConfig, module_folder
+from .dist import barrier, is_main
+from .module_io import save_module
+from .parallel import full_state_dict
+from .weights import read_into
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def resume_weights_folders(model, directory: str) -> set[str]:
+    """Before `prepare`: modules still on the meta device (`empty_init`) are pointed at the checkpoint (trainable
+    ones) or their recorded source (frozen ones) instead of their initial weights. Returns them."""
+    if not model.pending_weights:
+        return set()
+    config = OmniConfig.from_pretrained(directory)
+    for name in model.pending_weights:
+        model.pending_weights[name] = module_folder(directory, config, name)
+    return set(model.pending_weights)
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+class ModuleCheckpointer:
+    """Per-module checkpoints of `model`: `trainable` modules write a folder each; frozen ones are recorded by
+    source (a module built in memory is written once to `<output_dir>/frozen/<module>/`)."""
 
+    def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool):
+        self.model, self.trainable = model, list(trainable)
+        self.output_dir, self.save_async = output_dir, save_async
+        self._pending: tuple | None = None  # (directory, step, futures) of a save without its marker
+        self._executor = None
+        self._stagers: dict = {}  # module -> DCP stager reused by async saves
+        self._exit_hook = False
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, directory: str, optimizer, scheduler, step: int | None = None, write_marker: bool = True) -> None:
+        """Every rank: module folders, optimizer shards and schedulers, the root `config.json`; the marker after
+        every rank finished every file (with `save_async`, at the next save or `wait()`)."""
+        self.wait()
+        if is_main():
+            os.makedirs(directory, exist_ok=True)
+            stale = os.path.join(directory, files.MARKER)
+            if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
+                os.remove(stale)
+                files.fsync_dir(directory)
+        barrier()
+        self.write_frozen_sources()
+        futures = []
+        for name in self.trainable:
+            module = getattr(self.model, name)
+            folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
+            state = full_state_dict(module)
+            if is_main():
+                written = save_module(module, folder, state, self.model.processors.get(name),
+                                      executor=self._writer() if self.save_async else None)
+                futures += [written] if written is not None else []
+            stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
+            future = files.save_optimizer_state(module, optimizer.optimizers[name], scheduler.schedulers[name],
+                                                folder, stager=stager)
+            futures += [future] if future is not None else []
+        if is_main():
+            self.model.write_config(directory)
+        self._pending = (directory, step, futures)
+        if futures and not self._exit_hook:  # process exit waits for shards still being written
+            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, []))[2]])
+            self._exit_hook = True
+        if write_marker and not self.save_async:
+            self.wait()
 
+    def wait(self) -> None:
+        """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
+        if self._pending is None:
+            return
+        directory, step, futures = self._pending
+        self._pending = None
+        for future in futures:
+            future.result()
+        barrier()
+        if is_main():
+            files.write_marker(directory, files.marker_info(directory, step, self.trainable))
+        barrier()
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _writer(self):
+        """The background thread that writes module files during an async save."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
 
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_omni_save")
+        return self._executor
 
-def write_marker(directory: str, info: dict) -> None:
-    """Atomically (temp file + fsync + rename + fsync of the folder) mark `directory` as complete."""
-    tmp = os.path.join(directory, MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, MARKER))
-    _fsync_dir(directory)
+    def write_frozen_sources(self) -> None:
+        """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
+        which becomes its recorded source."""
+        for name in self.model.module_names:
+            entry = self.model.config.module_entry(name)
+            if name in self.trainable or entry.get("source"):
+                continue
+            if not self.output_dir:
+                raise ValueError(f"module {name!r} is frozen and was built in memory: saving it needs an output_dir "
+                                 "(args.output_dir, or OmniPlugin(output_dir=...))")
+            folder = os.path.abspath(os.path.join(self.output_dir, "frozen", name))
+            module = getattr(self.model, name)
+            state = full_state_dict(module)
+            if is_main():
+                save_module(module, folder, state, self.model.processors.get(name))
+            entry["source"] = folder
 
+    # -- load -------------------------------------------------------------------------------------
+    def check(self, directory: str) -> dict:
+        """Every check of a checkpoint against this model, before anything is loaded (names the module and
+        parameter that differ)."""
+        marker = files.check_complete(directory)
+        saved, ours = set(marker["modules"]), set(self.trainable)
+        if saved != ours:
+            raise ValueError(f"checkpoint {directory} holds trainable modules {sorted(saved)}, this model trains "
+                             f"{sorted(ours)} (missing: {sorted(ours - saved)}, extra: {sorted(saved - ours)})")
+        config = OmniConfig.from_pretrained(directory)
+        if config.module_names != self.model.module_names:
+            raise ValueError(f"checkpoint {directory} has modules {config.module_names}, the model "
+                             f"{self.model.module_names}")
+        return marker
 
-def listed_files(directory: str) -> list[str]:
-    """Every file under `directory` (relative paths), the marker excluded."""
-    out = []
-    for root, _, files in os.walk(directory):
-        for name in files:
-            rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel not in (MARKER, MARKER + ".tmp"):
-                out.append(rel)
-    return sorted(out)
-
-
-def read_marker(directory: str) -> dict | None:
-    path = os.path.join(directory, MARKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def check_complete(directory: str) -> dict:
-    """The marker of a complete checkpoint; a clear error for a missing path, a missing marker or a missing or
-    truncated file."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint {directory} does not exist")
-    marker = read_marker(directory)
-    if marker is None:
-        raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
-    for rel, size in marker.get("files", {}).items():
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint {directory}: file {rel} is missing")
-        if os.path.getsize(path) != size:
-            raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
-                             f"{size} were written")
-    return marker
-
-
-def complete_checkpoints(run_dir: str) -> list[str]:
-    """Checkpoints under `run_dir` that carry a marker, oldest step first."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = []
-    for name in os.listdir(run_dir):
-        match = _STEP.search(name)
-        path = os.path.join(run_dir, name)
-        if match and os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER)):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def newest_complete_checkpoint(run_dir: str) -> str | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str]:
-    """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best`; incomplete ones are
-    neither counted nor deleted here. Returns what was deleted."""
-    import shutil
-
-    if not limit or limit <= 0:
-        return []
-    found = complete_checkpoints(run_dir)
-    keep = {found[-1]} if found else set()
-    if best:
-        keep.add(os.path.abspath(best))
-    deletable = [p for p in found if p not in keep and os.path.abspath(p) not in keep]
-    excess = len(found) - limit
-    deleted = deletable[:max(excess, 0)]
-    for path in deleted:
-        shutil.rmtree(path, ignore_errors=True)
-    return deleted
-
-
-# -- one module's resume state --------------------------------------------------------------------------
-def make_stager():
-    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
-    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=gpu))
-
-
-def save_optimizer_state(module, optimizer, scheduler, folder: str, stager=None):
-    """Optimizer state through DCP (every rank its own shards), scheduler state on rank 0. With a `stager` the
-    save is asynchronous: returns DCP's future."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state_dir = os.path.join(folder, STATE)
-    os.makedirs(state_dir, exist_ok=True)
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    if _rank() == 0:
-        torch.save(scheduler.state_dict(), os.path.join(state_dir, SCHEDULER))
-    if stager is not None:
-        return dcp.async_save(state, checkpoint_id=state_dir, async_stager=stager)
-    dcp.save(state, checkpoint_id=state_dir)
-    return None
-
-
-def load_optimizer_state(module, optimizer, scheduler, folder: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    state_dir = os.path.join(folder, STATE)
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(state, checkpoint_id=state_dir)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"])
-    scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))
-
-
-def marker_info(directory: str, step: int | None, modules: list[str]) -> dict:
-    files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
-    return {"format": FORMAT, "step": step, "world_size": _world(), "modules": modules, "files": files}
+    def load(self, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset()) -> None:
+        """Every rank: each module's weights (its own rows of a sharded one; frozen modules from their recorded
+        source), optimizer shards (resharded by DCP at another world size) and scheduler."""
+        self.check(directory)
+        config = OmniConfig.from_pretrained(directory)
+        folders = {name: module_folder(directory, config, name) for name in self.model.module_names}
+        for name in self.trainable:
+            if folders[name] != os.path.join(directory, config.module_entry(name)["subfolder"]):
+                raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
+        todo = {name: folder for name, folder in folders.items() if name not in weights_loaded}
+        for name, folder in todo.items():  # shapes / dtypes of every module first: nothing half-loaded
+            read_into(getattr(self.model, name), folder, strict=True, module_name=name, dry_run=True)
+        for name, folder in todo.items():
+            read_into(getattr(self.model, name), folder, strict=True, module_name=name)
+        for name in self.model.module_names:
+            entry = self.model.config.module_entry(name)
+            entry["source"] = entry.get("source") or config.module_entry(name).get("source")
+        for name in self.trainable:
+            files.load_optimizer_state(getattr(self.model, name), optimizer.optimizers[name],
+                                       scheduler.schedulers[name], folders[name])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 
-from .checkpoint import STATE, check_complete
-from .config import OmniConfig
+from .checkpoint_files import STATE, check_complete
+from .config import OmniConfig, module_folder
+from .module_io import copy_module_folder
 
 
 def export(checkpoint: str, out: str) -> None:
@@ -17,14 +17,10 @@ def export(checkpoint: str, out: str) -> None:
     config = OmniConfig.from_pretrained(checkpoint)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: nothing was written")
+    folders = {name: module_folder(checkpoint, config, name) for name in config.module_names}  # all, before writing
     os.makedirs(out, exist_ok=True)
-    for entry in config.modules:
-        folder = os.path.join(checkpoint, entry["subfolder"])
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            folder = entry.get("source")
-            if not folder or not os.path.isdir(folder):
-                raise ValueError(f"module {entry['name']!r}: not in {checkpoint} and no recorded source")
-        shutil.copytree(folder, os.path.join(out, entry["subfolder"]), ignore=shutil.ignore_patterns(STATE))
+    for name, folder in folders.items():
+        copy_module_folder(folder, os.path.join(out, config.module_entry(name)["subfolder"]), skip=(STATE,))
     config.save_pretrained(out)
 
 

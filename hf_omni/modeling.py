@@ -29,11 +29,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .config import OmniConfig
-from .empty_init import build_empty
-from .export import (
-    PROCESSOR_KINDS, has_adapter, load_adapter, load_processor, original_class, processor_kind, save_module,
+from .compat import registered_auto_classes
+from .config import OmniConfig, module_folder
+from .module_io import (
+    PROCESSOR_KINDS, build_empty, has_adapter, load_adapter, load_processor, original_class, processor_kind,
+    save_module,
 )
+from .parallel import full_state_dict
 
 
 def resolve_module_class(class_name: str, module: str) -> type[PreTrainedModel]:
@@ -46,13 +48,7 @@ def resolve_module_class(class_name: str, module: str) -> type[PreTrainedModel]:
     import hf_omni
 
     candidates = [getattr(transformers, class_name, None), getattr(hf_omni, class_name, None)]
-    from transformers.models.auto import modeling_auto
-
-    for auto_name in dir(modeling_auto):
-        mapping = getattr(modeling_auto, auto_name)
-        extra = getattr(mapping, "_extra_content", None)
-        if isinstance(extra, dict):
-            candidates += [c for c in extra.values() if getattr(c, "__name__", None) == class_name]
+    candidates += [c for c in registered_auto_classes() if getattr(c, "__name__", None) == class_name]
     for cls in candidates:
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
             return cls
@@ -69,7 +65,6 @@ class OmniModel(PreTrainedModel):
     base_model_prefix = "omni"
     main_input_name = "input_ids"
     label_shift: bool = False
-    _supports_param_buffer_assignment = False
 
     def __init__(self, config: OmniConfig, modules: dict[str, PreTrainedModel] | None = None,
                  processors: dict[str, Any] | None = None):
@@ -86,9 +81,8 @@ class OmniModel(PreTrainedModel):
         self._num_parameters: dict[bool, int] = {}
         # empty_init: module -> folder its weights are read from when `OmniPlugin.prepare` fills it
         self.pending_weights: dict[str, str] = {}
-        self.eval_modules: set[str] = set()  # fully frozen modules: kept in eval mode during training
-        # FSDP units that stay gathered across an accumulation window ("(model)": the composed model itself)
-        self.gather_across_accumulation: set[str] = set()
+        # set by `OmniPlugin.prepare`: how modules are wrapped (`parallel.driver.WrappedModules`)
+        self.prepared = None
         self.loss_type = "ForCausalLM" if self.label_shift else None
 
     # -- construction ---------------------------------------------------------------------------
@@ -132,30 +126,14 @@ class OmniModel(PreTrainedModel):
     def train(self, mode: bool = True):
         """Fully frozen modules stay in eval mode (their output is a pure function of their input)."""
         super().train(mode)
-        for name in self.eval_modules:
+        for name in self.prepared.frozen if self.prepared is not None else ():
             getattr(self, name).eval()
         return self
 
-    @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient sync in every wrapped module, or in the composed model when it is wrapped as a whole
-        (Accelerate's `no_sync(model)` calls this). FSDP units configured with `reshard_after_backward: false`
-        stay gathered inside the window; the last micro-step (outside it) reshards them."""
-        units = {name: getattr(self, name) for name in self.module_names}
-        if hasattr(self, "set_requires_gradient_sync"):  # the composed model is one FSDP unit
-            units = {"(model)": self}
-        wrapped = {n: m for n, m in units.items() if hasattr(m, "set_requires_gradient_sync")}
-        for name, module in wrapped.items():
-            module.set_requires_gradient_sync(False)
-            if name in self.gather_across_accumulation:
-                module.set_reshard_after_backward(False)
-        try:
-            yield
-        finally:
-            for name, module in wrapped.items():
-                module.set_requires_gradient_sync(True)
-                if name in self.gather_across_accumulation:
-                    module.set_reshard_after_backward(True)
+        """Skip gradient sync in every wrapped unit (Accelerate's `no_sync(model)` calls this); FSDP units set to
+        `reshard_after_backward: false` stay gathered inside the window."""
+        return self.prepared.no_sync() if self.prepared is not None else contextlib.nullcontext()
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
@@ -169,8 +147,9 @@ class OmniModel(PreTrainedModel):
             os.makedirs(save_directory, exist_ok=True)
         for name, module in self.omni_modules().items():
             folder = os.path.join(save_directory, self.config.module_entry(name)["subfolder"])
-            save_module(module, folder, self.processors.get(name), merge_lora=merge_lora,
-                        is_main_process=is_main_process)
+            state = full_state_dict(module)
+            if is_main_process:
+                save_module(module, folder, state, self.processors.get(name), merge_lora=merge_lora)
         if is_main_process:
             self.write_config(save_directory)
 
@@ -193,7 +172,7 @@ class OmniModel(PreTrainedModel):
         recorded source when the subfolder is absent).
 
         `empty_init=True`: modules are built on the meta device and remember their weights folder;
-        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.empty_init`)."""
+        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.weights`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder and keyword arguments only")
         root = str(pretrained_model_name_or_path)
@@ -203,11 +182,7 @@ class OmniModel(PreTrainedModel):
         modules, processors, pending = {}, {}, {}
         for entry in config.modules:
             name = entry["name"]
-            folder = os.path.join(root, entry["subfolder"])
-            if not os.path.isfile(os.path.join(folder, "config.json")):
-                folder = entry.get("source")
-                if not folder or not os.path.isdir(folder):
-                    raise FileNotFoundError(f"module {name!r}: no folder {entry['subfolder']!r} in {root} and no source")
+            folder = module_folder(root, config, name)
             module_cls = resolve_module_class(entry["class"], name)
             if empty_init:
                 module = build_empty(module_cls, folder)

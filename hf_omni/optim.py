@@ -12,7 +12,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments, get_scheduler
 from transformers.training_args import OptimizerNames
 
-from .arguments import ModuleArguments
+from .compat import decay_parameter_names
+from .errors import OmniArgumentError
+from .module_arguments import ModuleArguments
 
 
 def build_module_optimizer(module: nn.Module, margs: ModuleArguments, base_args: TrainingArguments):
@@ -23,7 +25,7 @@ def build_module_optimizer(module: nn.Module, margs: ModuleArguments, base_args:
     args.weight_decay = margs.weight_decay
     args.optim = OptimizerNames(margs.optim)
     args.optim_args = margs.optim_args
-    decay = set(Trainer.get_decay_parameter_names(None, module))
+    decay = decay_parameter_names(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": margs.weight_decay},
@@ -48,11 +50,56 @@ def build_module_scheduler(optimizer, margs: ModuleArguments, num_training_steps
     )
 
 
-class ModuleOptimizers:
-    """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`."""
+def build_optimizers(model: nn.Module, trainable: list[str], module_args: dict[str, ModuleArguments],
+                     base_args: TrainingArguments, num_training_steps: int | None):
+    """One optimizer and one scheduler per trainable module, behind the composites."""
+    optimizers, schedulers = {}, {}
+    for name in trainable:
+        margs = module_args[name]
+        optimizers[name] = build_module_optimizer(getattr(model, name), margs, base_args)
+        try:
+            schedulers[name] = build_module_scheduler(optimizers[name], margs, num_training_steps)
+        except ValueError as err:
+            raise OmniArgumentError(name, "lr_scheduler_type", f"{err} (pass num_training_steps to prepare)") from None
+    params = {name: [p for p in getattr(model, name).parameters() if p.requires_grad] for name in trainable}
+    return ModuleOptimizers(optimizers, params), ModuleSchedulers(schedulers)
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+
+def module_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of the module's gradients; for sharded (DTensor) gradients the full norm over all ranks."""
+    from torch.nn.utils import get_total_norm
+
+    if not params:
+        return torch.zeros(())
+    norm = get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
+                    global_limit: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Each module's pre-clip gradient norm, and the combined one sqrt(sum of squares). With `global_limit` every
+    module is clipped to it by the combined norm; else each module to its own limit (0: none)."""
+    from torch.nn.utils import clip_grads_with_norm_
+
+    grads = {name: [p for p in params if p.grad is not None] for name, params in optimizer.params.items()}
+    norms = {name: module_grad_norm(params) for name, params in grads.items()}
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
+    for name, params in grads.items():
+        limit, norm = (global_limit, total) if global_limit is not None else (limits[name], norms[name])
+        if params and limit and limit > 0:
+            clip_grads_with_norm_(params, limit, norm)
+    return norms, total
+
+
+class ModuleOptimizers:
+    """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`; `params[module]`: the
+    parameters it trains, in module order (what clipping reads)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: dict[str, list[nn.Parameter]]):
         self.optimizers = dict(optimizers)
+        self.params = dict(params)
 
     @property
     def param_groups(self) -> list[dict]:

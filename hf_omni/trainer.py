@@ -21,8 +21,10 @@ import os
 
 from transformers import Trainer
 
+from . import checkpoint_files
 from .arguments import OmniTrainingArguments
 from .plugin import OmniPlugin
+from .rng import restore_other_world_size, trainer_rng_file
 
 # hook -> the parameter names we rely on (Trainer's private API changes between minor releases)
 TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
@@ -39,18 +41,24 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_rng_state": ("self", "checkpoint"),
 }
+# Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
+TRAINER_CALLS: dict[str, tuple[str, ...]] = {
+    "_get_output_dir": ("self", "trial"),
+    "_save_rng_state": ("self", "output_dir"),
+}
 
 
 def check_trainer_hooks(trainer_cls: type = Trainer) -> None:
-    """Fail loudly, naming the method, when a Trainer hook we override disappears or changes signature."""
-    for name, expected in TRAINER_HOOKS.items():
-        method = getattr(trainer_cls, name, None)
-        if method is None:
-            raise RuntimeError(f"hf_omni: transformers.Trainer.{name} no longer exists; OmniTrainer overrides it")
-        params = tuple(inspect.signature(method).parameters)
-        if params != expected:
-            raise RuntimeError(f"hf_omni: transformers.Trainer.{name} changed signature: {params} != {expected}; "
-                               "OmniTrainer overrides it")
+    """Fail loudly, naming the method, when a Trainer method we override or call disappears or changes signature."""
+    for table, role in ((TRAINER_HOOKS, "overrides"), (TRAINER_CALLS, "calls")):
+        for name, expected in table.items():
+            method = getattr(trainer_cls, name, None)
+            if method is None:
+                raise RuntimeError(f"hf_omni: transformers.Trainer.{name} no longer exists; OmniTrainer {role} it")
+            params = tuple(inspect.signature(method).parameters)
+            if params != expected:
+                raise RuntimeError(f"hf_omni: transformers.Trainer.{name} changed signature: {params} != "
+                                   f"{expected}; OmniTrainer {role} it")
 
 
 class OmniTrainer(Trainer):
@@ -70,35 +78,30 @@ class OmniTrainer(Trainer):
             raise ValueError("load_best_model_at_end: not supported by OmniTrainer yet")
         self.plugin = plugin if plugin is not None else OmniPlugin.from_args(args)
         self.plugin.resolve(model)  # every argument error before any compute
-        self._resume_dir: str | None = None
         super().__init__(model=model, args=args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`resume_from_checkpoint=True` takes the newest checkpoint that has its completion marker; an explicit
         path must exist and be complete. Both are checked before anything is loaded."""
-        from .checkpoint import check_complete, newest_complete_checkpoint
-
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = checkpoint_files.newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            check_complete(str(resume_from_checkpoint))
+            checkpoint_files.check_complete(str(resume_from_checkpoint))
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self.plugin.wait_for_save()  # an async save still in flight gets its marker
         return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # Trainer calls this before preparing; the modules are read in place by the plugin once prepared
-        self._resume_dir = resume_from_checkpoint
+        """Nothing here: Trainer calls this before preparing; `_prepare_for_training` has the plugin read the
+        modules in place once they are wrapped."""
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        from .checkpoint import rotate
 
         self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -121,47 +124,15 @@ class OmniTrainer(Trainer):
         if not self.args.save_async:
             self.plugin.wait_for_save()  # the marker, after Trainer's own state
         if self.args.should_save:
-            rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+            checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def _load_rng_state(self, checkpoint):
-        """Each rank restores its own RNG file; at another world size, a rank without one gets a deterministic
-        state derived from the saved ones (with a warning)."""
-        import glob
-        import tempfile
-        import warnings
-
+        """Each rank restores its own RNG file, also one saved at another world size (see `rng.py`)."""
         if checkpoint is None:
             return
-        rank, world = self.args.process_index, self.args.world_size
-        expected = f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"
-        mine = [f"rng_state_{rank}.pth"] + (["rng_state.pth"] if rank == 0 else [])
-        found = next((os.path.join(checkpoint, f) for f in [expected] + mine
-                      if os.path.isfile(os.path.join(checkpoint, f))), None)
-        if found is not None and os.path.basename(found) == expected:
+        if os.path.isfile(trainer_rng_file(checkpoint, self.args.process_index, self.args.world_size)):
             return super()._load_rng_state(checkpoint)
-        if found is not None:  # saved at another world size under the other name: let Trainer read it
-            with tempfile.TemporaryDirectory() as tmp:
-                os.symlink(os.path.abspath(found), os.path.join(tmp, expected))
-                return super()._load_rng_state(tmp)
-        saved = sorted(glob.glob(os.path.join(checkpoint, "rng_state*.pth")))
-        if not saved:
-            return super()._load_rng_state(checkpoint)
-        import hashlib
-        import random
-
-        import numpy as np
-        import torch
-
-        from transformers.trainer_pt_utils import safe_globals
-
-        with safe_globals():  # the file holds numpy's RNG state too
-            base = torch.load(saved[0], weights_only=True)["cpu"].numpy().tobytes()
-        seed = int(hashlib.sha256(base + rank.to_bytes(4, "little")).hexdigest()[:8], 16)
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-        warnings.warn(f"rank {rank}: no RNG state of its own in {checkpoint} (saved at another world size); "
-                      f"seeded it with {seed}, derived from {os.path.basename(saved[0])} and the rank")
+        restore_other_world_size(checkpoint, self.args.process_index)
 
     # -- setup ----------------------------------------------------------------------------------
     def _move_model_to_device(self, model, device):
@@ -175,7 +146,7 @@ class OmniTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         filled = set()
-        if self.plugin.model is None:
+        if not self.plugin.is_prepared:
             if resume_from_checkpoint is not None:  # empty_init: modules go straight from meta to the checkpoint
                 filled = self.plugin.fill_from_checkpoint(self.model, resume_from_checkpoint)
             _, self.optimizer, self.lr_scheduler = self.plugin.prepare(self.accelerator, self.model, max_steps)

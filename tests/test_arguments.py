@@ -85,6 +85,13 @@ PARSE_ERRORS = [
     (dict(fsdp_scope="model", modules={"llm": {"fsdp_plugin": {"cpu_offload": True}}}), "modules.llm.fsdp_plugin"),
     (dict(parallel="zero3"), "parallel"),
     (dict(modules="{not json"), "modules"),
+    (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10}}},
+          fsdp_plugin={"transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}), "modules.llm.fsdp_plugin.min_num_params"),
+    (dict(deepspeed={"zero_optimization": {"stage": 3}}), "deepspeed"),
+    (dict(push_to_hub=True), "push_to_hub"),
+    (dict(hub_strategy="checkpoint"), "hub_strategy"),
+    (dict(save_only_model=True), "save_only_model"),
+    (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
 ]
 
 
@@ -93,6 +100,15 @@ def test_parse_time_errors_name_module_and_key(tmp_path, overrides, where):
     with pytest.raises(ValueError) as err:
         OmniTrainingArguments(output_dir=str(tmp_path), **overrides)
     assert str(err.value).startswith(where + ":") or str(err.value).startswith(where + "."), str(err.value)
+
+
+def test_global_engines_refused_naming_the_per_module_key(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"^parallelism_config: .*modules\.<name>"):
+        OmniTrainingArguments(output_dir=str(tmp_path), parallelism_config=ParallelismConfig())
+    with pytest.raises(ValueError, match=r"^deepspeed: .*modules\.<name>\.parallel"):
+        OmniTrainingArguments(output_dir=str(tmp_path), deepspeed={})
 
 
 def test_activation_checkpointing_is_accepted(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from checkpoint_scenario import make_trainer
 
-from hf_omni.checkpoint import MARKER
+from hf_omni.checkpoint_files import MARKER
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -183,7 +183,7 @@ def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
     empty = Captioner.from_pretrained(tmp_path, empty_init=True)
     assert all(p.is_meta for p in empty.parameters())
     plugin = OmniPlugin(modules={"vision": {"trainable": False}}, output_dir=str(tmp_path / "run"))
-    with caplog.at_level("WARNING", logger="hf_omni.empty_init"):
+    with caplog.at_level("WARNING", logger="hf_omni.weights"):
         plugin.prepare(Accelerator(cpu=True), empty, num_training_steps=1)
     assert "pooler" in caplog.text  # the one parameter the files lack (ViT's config forgets add_pooling_layer)
     state = {k: v for k, v in eager.state_dict().items() if ".pooler." not in k}

@@ -115,11 +115,11 @@ def test_top_level_lora_matching_nothing_leaves_module_frozen(tmp_path, caplog):
     before = {k: v.clone() for k, v in model.projector.state_dict().items()}
     args = make_args(tmp_path, lora={"r": 2, "target_modules": ["q_proj"]}, modules={"vision": {"trainable": False}})
     trainer = OmniTrainer(model=model, args=args, train_dataset=data)
-    with caplog.at_level("INFO", logger="hf_omni.parallelize"):
+    with caplog.at_level("INFO", logger="hf_omni.parallel.tuning"):
         trainer.train()
     assert "projector" in caplog.text and "fully frozen" in caplog.text
     assert trainer.plugin.trainable == ["llm"]
-    assert "projector" in model.eval_modules
+    assert "projector" in model.prepared.frozen
     for key, value in model.projector.state_dict().items():
         assert torch.equal(value, before[key])
 

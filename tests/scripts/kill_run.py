@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoint_scenario import make_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import hf_omni.checkpoint  # noqa: E402
+import hf_omni.checkpoint_files  # noqa: E402
 
 
 def kill():
@@ -29,14 +29,14 @@ def main(mode: str, out_dir: str):
     if mode == "mid_step":
         callbacks.append(KillMidStep())
     elif mode == "mid_save":
-        original = hf_omni.checkpoint.write_marker
+        original = hf_omni.checkpoint_files.write_marker
 
         def write_marker(directory, info):
             if info["step"] == 10:
                 kill()
             original(directory, info)
 
-        hf_omni.checkpoint.write_marker = write_marker
+        hf_omni.checkpoint_files.write_marker = write_marker
     make_trainer(out_dir, callbacks=callbacks).train()
     raise SystemExit("the run was meant to be killed")
 

@@ -41,7 +41,7 @@ class ReadLog:
     """Records every tensor read from safetensors by empty_init loading: (key, shape read, full shape)."""
 
     def __init__(self):
-        from hf_omni.empty_init import SafetensorsIndex
+        from hf_omni.weights import SafetensorsIndex
 
         self.reads, original = [], SafetensorsIndex.read
 

@@ -1,8 +1,8 @@
-"""FSDP2 per module: one Accelerate `FullyShardedDataParallelPlugin(fsdp_version=2)` per module, applied by
-hf_omni itself with `fully_shard` (Accelerate only shards its one global model, and never on CPU).
+"""`parallel: fsdp`: FSDP2 per module, with one Accelerate `FullyShardedDataParallelPlugin(fsdp_version=2)` per
+module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its one global model, and never on CPU).
 
-- The plugin is built with the environment's `FSDP_*` variables hidden and the environment restored after
-  (Accelerate reads unset fields from them and writes `FSDP_CPU_RAM_EFFICIENT_LOADING`).
+- The plugin is built from the module's `FsdpSettings` with the environment's `FSDP_*` variables hidden and the
+  environment restored after (Accelerate reads unset fields from them and writes `FSDP_CPU_RAM_EFFICIENT_LOADING`).
 - Wrap units: the plugin's auto-wrap policy (Accelerate's helper), the input embeddings as their own unit
   (the composed forward calls them before the module's own forward), then the module root.
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
@@ -18,12 +18,13 @@ import os
 import torch
 from torch import nn
 
-from .arguments import ModuleArguments, OmniArgumentError
-from .export import is_sharded
+from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root
+from ..errors import OmniArgumentError
+from ..module_arguments import FsdpSettings
 
+MODEL_SCOPE = "(model)"  # the key of the one plugin under `fsdp_scope: model`
 FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
                    "get_video_features", "encode", "decode")
-_OWN_KEYS = ("reshard_after_backward",)  # applied by hf_omni, not Accelerate plugin fields
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def isolated_fsdp_environment():
         os.environ.update(saved)
 
 
-def _mixed_precision(value):
+def mixed_precision_policy(value):
     """`no` | `bf16` | `fp16` (Accelerate's names) or {param_dtype, reduce_dtype, output_dtype} as dtype names."""
     if value is None or value == "no":
         return None
@@ -64,41 +65,32 @@ def no_split_modules(module: nn.Module) -> set[str]:
     return names & present
 
 
-def build_fsdp_plugin(module: nn.Module, margs: ModuleArguments):
+def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
     """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    settings = {k: v for k, v in (margs.fsdp_plugin or {}).items() if k not in _OWN_KEYS}
-    size_based = "min_num_params" in settings
-    wrap_names = settings.pop("transformer_cls_names_to_wrap", None)
-    if not size_based and wrap_names is None:
-        wrap_names = sorted(no_split_modules(module))
-    if isinstance(wrap_names, str):
-        wrap_names = [wrap_names]
+    size_based = settings.min_num_params is not None
     kwargs = dict(
         fsdp_version=2,
-        reshard_after_forward=settings.pop("reshard_after_forward", True),
-        cpu_offload=settings.pop("cpu_offload", False),
-        cpu_ram_efficient_loading=settings.pop("cpu_ram_efficient_loading", False),
-        mixed_precision_policy=_mixed_precision(settings.pop("mixed_precision", None)),
-        ignored_modules=settings.pop("ignored_modules", None),
+        reshard_after_forward=settings.reshard_after_forward,
+        cpu_offload=settings.cpu_offload,
+        cpu_ram_efficient_loading=settings.cpu_ram_efficient_loading,
+        mixed_precision_policy=mixed_precision_policy(settings.mixed_precision),
+        ignored_modules=settings.ignored_modules,
         activation_checkpointing=False,
         state_dict_type="SHARDED_STATE_DICT",
         auto_wrap_policy="size_based_wrap" if size_based else "transformer_based_wrap",
     )
     if size_based:
-        kwargs["min_num_params"] = settings.pop("min_num_params")
+        kwargs["min_num_params"] = settings.min_num_params
     else:
-        kwargs["transformer_cls_names_to_wrap"] = wrap_names
-    if settings:
-        raise OmniArgumentError(margs.name, f"fsdp_plugin.{next(iter(settings))}", "unknown key")
+        kwargs["transformer_cls_names_to_wrap"] = (settings.transformer_cls_names_to_wrap
+                                                   or sorted(no_split_modules(module)))
     try:
         with isolated_fsdp_environment():
-            plugin = FullyShardedDataParallelPlugin(**kwargs)
+            return FullyShardedDataParallelPlugin(**kwargs)
     except (ValueError, TypeError) as err:
-        raise OmniArgumentError(margs.name, "fsdp_plugin", str(err)) from None
-    plugin.reshard_after_backward = (margs.fsdp_plugin or {}).get("reshard_after_backward", True)
-    return plugin
+        raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None
 
 
 def _embeddings(module: nn.Module):
@@ -112,11 +104,11 @@ def _embeddings(module: nn.Module):
     return found
 
 
-def shard_module(module: nn.Module, plugin, device: torch.device, lazy_init: bool = True) -> nn.Module:
+def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True) -> nn.Module:
     """Apply `plugin` to `module` in place with `fully_shard` over all ranks. `lazy_init=False` for a module on the
-    meta device: call `lazy_init_root` once its shards are filled."""
+    meta device: call `fsdp_lazy_init_root` once its shards are filled."""
     import torch.distributed as dist
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.fsdp import register_fsdp_forward_method
@@ -126,13 +118,11 @@ def shard_module(module: nn.Module, plugin, device: torch.device, lazy_init: boo
                   offload_policy=plugin.cpu_offload or OffloadPolicy(),
                   mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
     if plugin.ignored_modules is not None:
-        from accelerate.utils.fsdp_utils import get_parameters_from_modules
-
-        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, module, device)
+        kwargs["ignored_params"] = fsdp_ignored_params(plugin.ignored_modules, module, device)
     try:
-        policy = fsdp2_prepare_auto_wrap_policy(plugin, module)
+        policy = fsdp2_auto_wrap_policy(plugin, module)
     except ValueError as err:
-        raise OmniArgumentError(None, "fsdp_plugin.transformer_cls_names_to_wrap", str(err)) from None
+        raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", str(err)) from None
     if policy is not None:
         for sub in get_module_children_bottom_up(module)[:-1]:
             if policy(sub) and not isinstance(sub, FSDPModule):
@@ -143,14 +133,30 @@ def shard_module(module: nn.Module, plugin, device: torch.device, lazy_init: boo
         fully_shard([embed, out_embed] if tied else embed, **kwargs)  # tied weights: one unit for both
     fully_shard(module, **kwargs)
     if lazy_init:
-        lazy_init_root(module)
-    for name in FORWARD_METHODS:
-        if callable(getattr(module, name, None)):
-            register_fsdp_forward_method(module, name)
+        fsdp_lazy_init_root(module)
+    for method in FORWARD_METHODS:
+        if callable(getattr(module, method, None)):
+            register_fsdp_forward_method(module, method)
     return module
 
 
-def lazy_init_root(module: nn.Module) -> None:
-    """Initialise the module's FSDP state from its root now, so that a unit called before the root (the input
-    embeddings, from the composed forward) does not claim to be a root itself."""
-    module._get_fsdp_state()._lazy_init()
+def set_gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool) -> None:
+    """Off inside an accumulation window; `keep_gathered` (reshard_after_backward: false) also keeps the units
+    gathered inside it. The last micro-step (sync on) reshards them."""
+    module.set_requires_gradient_sync(enabled)
+    if keep_gathered:
+        module.set_reshard_after_backward(enabled)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full state dict, gathered — a collective every rank must join. Only rank 0 receives the
+    tensors (on CPU, one at a time); other ranks get `{}`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

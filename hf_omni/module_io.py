@@ -1,4 +1,5 @@
-"""Write and read one module as a Hugging Face folder (config, weights, processor, LoRA adapter).
+"""One module as a Hugging Face folder: write it (config, weights, processor, LoRA adapter), build it back
+(whole, or on the meta device for `empty_init`), copy it.
 
 A module wrapped in place (FSDP2 / composable replicate) has a generated subclass; the folder records
 the module's original class so that `AutoModel*.from_pretrained(folder)` and `OmniModel` find it.
@@ -16,22 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .compat import adopt_loaded_adapter, in_place_wrapper_classes, lora_linear_class, lora_linear_delta
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
 
-def _wrapper_classes() -> tuple[type, ...]:
-    from torch.distributed._composable.replicate import DDP
-    from torch.distributed.fsdp import FSDPModule
-
-    return (FSDPModule, DDP)
-
-
 def original_class(module: nn.Module) -> type:
     """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
-    wrappers = _wrapper_classes()
+    wrappers = in_place_wrapper_classes()
     cls = type(module)
     while len(cls.__bases__) == 2 and cls.__bases__[0] in wrappers:
         cls = cls.__bases__[1]
@@ -44,22 +40,6 @@ def lora_config_of(module: nn.Module):
     return configs.get("default") if isinstance(configs, dict) else None
 
 
-def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's full state dict. A sharded (FSDP2) module is gathered — a collective every rank must join —
-    and only rank 0 receives the tensors (on CPU, one at a time); other ranks get `{}`."""
-    if not is_sharded(module):
-        return module.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict with LoRA adapters removed and `base_layer` folded back: the original keys."""
     return {key.replace(".base_layer.", "."): value for key, value in state.items()
@@ -68,21 +48,19 @@ def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def merged_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Base weights with every LoRA delta (B @ A x scaling) added in: a plain model's state dict."""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.utils.other import transpose
-
     merged = base_state_dict(state)
     for name, sub in module.named_modules():
-        if isinstance(sub, LoraLinear) and "default" in sub.lora_A:
+        if isinstance(sub, lora_linear_class()) and "default" in sub.lora_A:
             a, b = state[f"{name}.lora_A.default.weight"], state[f"{name}.lora_B.default.weight"]
-            delta = transpose(b.float() @ a.float(), sub.fan_in_fan_out) * sub.scaling["default"]
+            delta = lora_linear_delta(sub, a, b)
             merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta.to(merged[f"{name}.weight"].dtype)
         elif hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
             raise NotImplementedError(f"merging LoRA into {type(sub).__name__} layers ({name}) is not supported")
     return merged
 
 
-def _fix_architectures(folder: str, cls: type) -> None:
+def record_original_class(folder: str, cls: type) -> None:
+    """`save_pretrained` of a wrapped module records the wrapper subclass; record the module's own class."""
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         config = json.load(f)
@@ -106,14 +84,11 @@ def processor_kind(processor: Any) -> str:
     raise TypeError(f"unsupported processor type {type(processor).__name__}")
 
 
-def save_module(module: nn.Module, folder: str, processor: Any = None, merge_lora: bool = False,
-                is_main_process: bool = True, executor=None):
-    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them). Every rank calls it
-    (a sharded module is gathered); only the main process writes. With an `executor`, the tensors are copied now
-    and written in the background: returns the future."""
-    state = full_state_dict(module)
-    if not is_main_process:
-        return None
+def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
+                merge_lora: bool = False, executor=None):
+    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them), from its full
+    `state` (`parallel.full_state_dict`, gathered on every rank; the main process calls this). With an
+    `executor`, the tensors are copied now and written in the background: returns the future."""
     lora = lora_config_of(module)
     weights = merged_state_dict(module, state) if (lora and merge_lora) else base_state_dict(state)
     adapter = None
@@ -122,19 +97,19 @@ def save_module(module: nn.Module, folder: str, processor: Any = None, merge_lor
 
         adapter = {PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(module, state_dict=state).items()}
     copy = executor is not None  # training goes on while the files are written: write a snapshot
-    weights, adapter = (_cpu(t, copy) if t is not None else None for t in (weights, adapter))
-    write = lambda: _write_module_files(module, folder, weights, lora, adapter, processor)  # noqa: E731
+    weights, adapter = (on_cpu(t, copy) if t is not None else None for t in (weights, adapter))
+    write = lambda: write_module_files(module, folder, weights, lora, adapter, processor)  # noqa: E731
     return executor.submit(write) if executor is not None else write()
 
 
-def _cpu(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+def on_cpu(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
     return {k: (v.detach().to("cpu", copy=copy)).contiguous() for k, v in tensors.items()}
 
 
-def _write_module_files(module, folder, weights, lora, adapter, processor) -> None:
+def write_module_files(module, folder, weights, lora, adapter, processor) -> None:
     os.makedirs(folder, exist_ok=True)
     module.save_pretrained(folder, state_dict=weights)
-    _fix_architectures(folder, original_class(module))
+    record_original_class(folder, original_class(module))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
@@ -159,7 +134,7 @@ def load_adapter(module: nn.Module, folder: str) -> None:
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
     if lora_config_of(module) is not None:
-        module._hf_peft_config_loaded = False
+        adopt_loaded_adapter(module)
         return
 
     config = LoraConfig.from_pretrained(folder)
@@ -177,3 +152,25 @@ def load_processor(folder: str, kind: str):
     auto = {"tokenizer": AutoTokenizer, "processor": AutoProcessor, "image_processor": AutoImageProcessor,
             "feature_extractor": AutoFeatureExtractor}[kind]
     return auto.from_pretrained(folder)
+
+
+def build_empty(module_cls, folder: str) -> nn.Module:
+    """The module of `folder` with parameters on the meta device and real buffers (`empty_init`; rotary tables
+    and the like are computed, not loaded); a LoRA adapter beside the weights is injected, empty too."""
+    from accelerate import init_empty_weights
+
+    config = module_cls.config_class.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        module = module_cls(config)
+    if has_adapter(folder):
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig.from_pretrained(folder), module)
+    return module
+
+
+def copy_module_folder(folder: str, out: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy a module's HF folder to `out`, leaving out the names in `skip` (a checkpoint's `state/`)."""
+    import shutil
+
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns(*skip))

@@ -21,23 +21,10 @@ import os
 import torch
 from torch import nn
 
-from .export import ADAPTER_WEIGHTS, PEFT_PREFIX, has_adapter
+from .compat import init_weights, saved_key_names
+from .module_io import ADAPTER_WEIGHTS, PEFT_PREFIX, has_adapter
 
 logger = logging.getLogger(__name__)
-
-
-def build_empty(module_cls, folder: str) -> nn.Module:
-    """The module with parameters on the meta device and real buffers."""
-    from accelerate import init_empty_weights
-
-    config = module_cls.config_class.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):
-        module = module_cls(config)
-    if has_adapter(folder):
-        from peft import LoraConfig, inject_adapter_in_model
-
-        inject_adapter_in_model(LoraConfig.from_pretrained(folder), module)
-    return module
 
 
 def is_empty(module: nn.Module) -> bool:
@@ -75,23 +62,6 @@ class SafetensorsIndex:
         if rows is None:
             return self.where[key].get_tensor(key)
         return self.where[key].get_slice(key)[rows[0]:rows[1]]
-
-
-def file_key_map(module: nn.Module) -> dict[str, str]:
-    """Parameter name -> key in the module's saved files. transformers 5 saves some models under legacy names
-    (ViT: `layers.0.attention.q_proj` -> `encoder.layer.0.attention.attention.query`): its own reverse renaming,
-    applied to placeholders, tells which. Conversions that merge or split tensors are not renames: those
-    parameters keep their own names here (and a file that lacks them is reported)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    names = [n.replace(".base_layer.", ".") for n, _ in module.named_parameters() if ".lora_" not in n]
-    placeholders = {n: torch.empty(0, device="meta") for n in names}
-    by_id = {id(t): n for n, t in placeholders.items()}
-    try:
-        reverted = revert_weight_conversion(module, dict(placeholders))
-    except Exception:  # noqa: BLE001 - a model without a usable mapping: its names are the file's
-        return {}
-    return {by_id[id(t)]: key for key, t in reverted.items() if id(t) in by_id}
 
 
 def _file_keys(state_key: str, keymap: dict[str, str]) -> tuple[list[str], bool]:
@@ -145,7 +115,7 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     weights = SafetensorsIndex.for_weights(folder)
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     plan, missing = [], []
-    keymap = file_key_map(module)
+    keymap = saved_key_names(module)
     for name, param in module.named_parameters():
         keys, is_adapter = _file_keys(name, keymap)
         source = adapter if is_adapter else weights
@@ -183,6 +153,6 @@ def _initialise(module: nn.Module, names: list[str]) -> None:
             layer = module.get_submodule(owner.split(".lora_")[0])
             layer.reset_lora_parameters("default", True)
         elif hasattr(module, "_init_weights"):
-            module._init_weights(sub)
+            init_weights(module, sub)
         else:
             raise ValueError(f"no stored value and no initialisation for {owner}")

@@ -1,0 +1,169 @@
+"""The files of a per-module checkpoint: the completion marker, checks, rotation, and one module's optimizer and
+scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
+
+    <dir>/config.json                 root OmniConfig (module sources recorded)
+    <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
+        config.json, model.safetensors (+ adapter files for LoRA), tokenizer / processor files
+        state/                        optimizer state through torch.distributed.checkpoint (each rank writes its
+                                      own shards, no gather) + scheduler.pt
+    <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
+
+What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
+they also serve resume — each rank reads back only its own rows of a sharded module. Optimizer state never
+leaves its shards: DCP reshards it on load, so a checkpoint resumes at another world size.
+Fully frozen modules write nothing; they reload from their recorded source (a module built in memory is written
+once to `<output_dir>/frozen/<module>/`, which becomes its source).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from .dist import is_main, world_size
+
+MARKER = "hf_omni_checkpoint.json"
+STATE = "state"
+SCHEDULER = "scheduler.pt"
+FORMAT = 1
+_STEP = re.compile(r"checkpoint-(\d+)$")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_marker(directory: str, info: dict) -> None:
+    """Atomically (temp file + fsync + rename + fsync of the folder) mark `directory` as complete."""
+    tmp = os.path.join(directory, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, MARKER))
+    fsync_dir(directory)
+
+
+def listed_files(directory: str) -> list[str]:
+    """Every file under `directory` (relative paths), the marker excluded."""
+    out = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel not in (MARKER, MARKER + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def read_marker(directory: str) -> dict | None:
+    path = os.path.join(directory, MARKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_complete(directory: str) -> dict:
+    """The marker of a complete checkpoint; a clear error for a missing path, a missing marker or a missing or
+    truncated file."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint {directory} does not exist")
+    marker = read_marker(directory)
+    if marker is None:
+        raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
+    for rel, size in marker.get("files", {}).items():
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {directory}: file {rel} is missing")
+        if os.path.getsize(path) != size:
+            raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
+                             f"{size} were written")
+    return marker
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoints under `run_dir` that carry a marker, oldest step first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        match = _STEP.search(name)
+        path = os.path.join(run_dir, name)
+        if match and os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def newest_complete_checkpoint(run_dir: str) -> str | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str]:
+    """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best`; incomplete ones are
+    neither counted nor deleted here. Returns what was deleted."""
+    import shutil
+
+    if not limit or limit <= 0:
+        return []
+    found = complete_checkpoints(run_dir)
+    keep = {found[-1]} if found else set()
+    if best:
+        keep.add(os.path.abspath(best))
+    deletable = [p for p in found if p not in keep and os.path.abspath(p) not in keep]
+    excess = len(found) - limit
+    deleted = deletable[:max(excess, 0)]
+    for path in deleted:
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
+# -- one module's resume state --------------------------------------------------------------------------
+def make_stager():
+    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
+    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=gpu))
+
+
+def save_optimizer_state(module, optimizer, scheduler, folder: str, stager=None):
+    """Optimizer state through DCP (every rank its own shards), scheduler state on rank 0. With a `stager` the
+    save is asynchronous: returns DCP's future."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state_dir = os.path.join(folder, STATE)
+    os.makedirs(state_dir, exist_ok=True)
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    if is_main():
+        torch.save(scheduler.state_dict(), os.path.join(state_dir, SCHEDULER))
+    if stager is not None:
+        return dcp.async_save(state, checkpoint_id=state_dir, async_stager=stager)
+    dcp.save(state, checkpoint_id=state_dir)
+    return None
+
+
+def load_optimizer_state(module, optimizer, scheduler, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state_dir = os.path.join(folder, STATE)
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(state, checkpoint_id=state_dir)
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])
+    scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))
+
+
+def marker_info(directory: str, step: int | None, modules: list[str]) -> dict:
+    files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
+    return {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files}

@@ -1,0 +1,180 @@
+"""Every private API of torch / transformers / accelerate / peft that hf_omni touches, each behind a named function.
+
+These internals change between minor releases. `PRIVATE_SYMBOLS` lists each one (library, dotted path);
+`tests/test_compat.py` checks every entry against the installed versions and fails naming the library and
+symbol, and each function below fails loudly (never silently) when its internal is gone.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+# (library, dotted path: module path, then attributes)
+PRIVATE_SYMBOLS: list[tuple[str, str]] = [
+    ("torch", "torch.distributed.fsdp.FSDPModule._get_fsdp_state"),
+    ("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init"),
+    ("torch", "torch.distributed._composable.replicate.replicate"),
+    ("torch", "torch.distributed._composable.replicate.DDP"),
+    ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
+    ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
+    ("transformers", "transformers.PreTrainedModel._init_weights"),
+    ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),
+    ("transformers", "transformers.Trainer.get_decay_parameter_names"),
+    ("transformers", "transformers.Trainer._get_output_dir"),
+    ("transformers", "transformers.Trainer._save_rng_state"),
+    ("transformers", "transformers.Trainer._load_rng_state"),
+    ("transformers", "transformers.Trainer._move_model_to_device"),
+    ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
+    ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
+    ("peft", "peft.tuners.lora.Linear"),
+    ("peft", "peft.utils.other.transpose"),
+]
+
+
+class MissingInternalError(RuntimeError):
+    """A private third-party symbol hf_omni relies on is gone from the installed version."""
+
+
+def resolve(path: str, library: str | None = None):
+    """Import the longest module prefix of `path`, then follow attributes; a clear error naming the library and
+    symbol when anything is missing."""
+    library = library or path.split(".", 1)[0]
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        return obj
+    raise MissingInternalError(f"hf_omni relies on {library}'s private `{path}`, which the installed {library} "
+                               "lacks: install the versions in setup.cfg's ranges")
+
+
+def missing_symbols() -> list[str]:
+    """Each private symbol the installed libraries lack, as `library: path`."""
+    out = []
+    for library, path in PRIVATE_SYMBOLS:
+        try:
+            resolve(path, library)
+        except MissingInternalError:
+            out.append(f"{library}: {path}")
+    return out
+
+
+# -- torch ----------------------------------------------------------------------------------------------
+def fsdp_lazy_init_root(module: nn.Module) -> None:
+    """Initialise a `fully_shard`-ed module's FSDP state from its root now, so that a unit called before the root
+    (the input embeddings, from the composed forward) does not claim to be a root itself."""
+    resolve("torch.distributed.fsdp.FSDPModule._get_fsdp_state")
+    module._get_fsdp_state()._lazy_init()
+
+
+def composable_replicate(module: nn.Module, device: torch.device) -> nn.Module:
+    """torch's composable, in-place `replicate` (DDP's bucketed all-reduce with no wrapper object), initialised
+    now so parameters are broadcast from rank 0 before any method of the module runs."""
+    replicate = resolve("torch.distributed._composable.replicate.replicate")
+    kwargs = {"device_id": device} if device.type != "cpu" else {}
+    replicate(module, **kwargs)
+    replicate.state(module).lazy_init()
+    return module
+
+
+def in_place_wrapper_classes() -> tuple[type, ...]:
+    """The classes FSDP2 and composable replicate mix into a module's generated subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return (FSDPModule, resolve("torch.distributed._composable.replicate.DDP"))
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+def registered_auto_classes() -> list[type]:
+    """Model classes users registered with an Auto class (`AutoModel.register`)."""
+    from transformers.models.auto import modeling_auto
+
+    resolve("transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content")
+    mapping_type = type(modeling_auto.MODEL_MAPPING)
+    found = []
+    for name in dir(modeling_auto):
+        mapping = getattr(modeling_auto, name)
+        if isinstance(mapping, mapping_type):
+            found += list(mapping._extra_content.values())
+    return found
+
+
+def saved_key_names(module: nn.Module) -> dict[str, str]:
+    """Parameter name -> the key transformers' `save_pretrained` writes it under, for renamed keys only (ViT:
+    `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`). Tensors that
+    transformers merges or splits on load are not renames and keep their own names here."""
+    revert = resolve("transformers.core_model_loading.revert_weight_conversion")
+    named = {n.replace(".base_layer.", "."): p for n, p in module.named_parameters() if ".lora_" not in n}
+    placeholders = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in named.items()}
+    by_id = {id(t): n for n, t in placeholders.items()}
+    reverted = revert(module, dict(placeholders))
+    return {by_id[id(t)]: key for key, t in reverted.items() if id(t) in by_id and by_id[id(t)] != key}
+
+
+def init_weights(module: nn.Module, sub: nn.Module) -> None:
+    """The model's own initialisation of one of its submodules."""
+    resolve("transformers.PreTrainedModel._init_weights")
+    module._init_weights(sub)
+
+
+def adopt_loaded_adapter(module: nn.Module) -> None:
+    """`from_pretrained` loaded an adapter found beside the weights and marked the model as a transformers PEFT
+    integration; unmark it so `save_pretrained` writes its base weights too (hf_omni writes the adapter)."""
+    resolve("transformers.PreTrainedModel._hf_peft_config_loaded")
+    module._hf_peft_config_loaded = False
+
+
+def decay_parameter_names(module: nn.Module) -> set[str]:
+    """The parameters Trainer applies weight decay to (not biases, not norms), for any module. Trainer's method
+    does not use its instance."""
+    from transformers import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, module))
+
+
+# -- accelerate -----------------------------------------------------------------------------------------
+def fsdp2_auto_wrap_policy(plugin, module: nn.Module):
+    """Accelerate's FSDP2 wrap policy for `plugin` over `module` (a callable, or None)."""
+    return resolve("accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy")(plugin, module)
+
+
+def fsdp_ignored_params(ignored_modules, module: nn.Module, device: torch.device):
+    return resolve("accelerate.utils.fsdp_utils.get_parameters_from_modules")(ignored_modules, module, device)
+
+
+# -- peft -----------------------------------------------------------------------------------------------
+NO_TARGET_MESSAGES = ("not found in the base model", "No modules were targeted")
+
+
+def inject_lora(config, module: nn.Module) -> bool:
+    """Inject LoRA adapters in place; False when `config` matches no layer of `module` (PEFT says so only in
+    its error message)."""
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(config, module)
+    except ValueError as err:
+        if any(message in str(err) for message in NO_TARGET_MESSAGES):
+            return False
+        raise
+    return True
+
+
+def lora_linear_delta(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B @ A x scaling of a PEFT LoRA Linear layer, in the layout of its base weight."""
+    transpose = resolve("peft.utils.other.transpose")
+    return transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling["default"]
+
+
+def lora_linear_class() -> type:
+    return resolve("peft.tuners.lora.Linear")

@@ -1,0 +1,117 @@
+"""How each module of a composed model is prepared, as named steps in a fixed order (torchtitan style):
+
+    freeze | LoRA -> activation checkpointing    (tuning.py, every module)
+    plan: fsdp | ddp | none per module           (no process group: none everywhere)
+    fill whole what is not sharded (empty_init) -> place -> wrap in place -> fill shards (empty_init)
+
+Wrapping is in place: `model.<name>` keeps its class (a generated subclass) and its methods. The result, a
+`WrappedModules`, is what the composed model needs at run time (eval-mode modules, `no_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..compat import fsdp_lazy_init_root
+from ..dist import has_process_group
+from ..module_arguments import FsdpSettings, ModuleArguments
+from ..weights import fill_module
+from . import ddp, fsdp, none
+from .tuning import apply_training_mode
+
+
+@dataclass
+class WrappedModules:
+    """What `prepare_modules` applied: per module "fsdp" | "ddp" | "none", the Accelerate FSDP plugins (keyed by
+    module, or `fsdp.MODEL_SCOPE` for the one wrap of the composed model), the fully frozen modules (kept in eval
+    mode), and the units whose gradient sync an accumulation window turns off."""
+
+    wrapped: dict[str, str] = field(default_factory=dict)
+    fsdp_plugins: dict = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)
+    sync_units: list[tuple[nn.Module, str, bool]] = field(default_factory=list)  # (unit, strategy, keep_gathered)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """No gradient sync in any wrapped unit inside this context (gradient accumulation)."""
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(True)
+
+    def _set_sync(self, enabled: bool) -> None:
+        for unit, strategy, keep_gathered in self.sync_units:
+            if strategy == "fsdp":
+                fsdp.set_gradient_sync(unit, enabled, keep_gathered)
+            else:
+                ddp.set_gradient_sync(unit, enabled)
+
+
+def apply_training_modes(model: nn.Module, module_args: dict[str, ModuleArguments]) -> list[str]:
+    """Freeze / LoRA / activation checkpointing of every module; returns the modules that still train."""
+    return [name for name, margs in module_args.items() if apply_training_mode(getattr(model, name), margs)]
+
+
+def plan_wrapping(module_args: dict[str, ModuleArguments], trainable: list[str], fsdp_scope: str) -> dict[str, str]:
+    """No process group: everything runs unwrapped. Otherwise each trainable module as `parallel` says; a fully
+    frozen module only when its own entry asks for `parallel: fsdp`; under `fsdp_scope: model`, all of them
+    inside the one wrap of the composed model."""
+    if not has_process_group():
+        return {name: "none" for name in module_args}
+    if fsdp_scope == "model":
+        return {name: "fsdp" for name in module_args}
+    return {name: margs.parallel if name in trainable or (margs.parallel_from_module and margs.parallel == "fsdp")
+            else "none" for name, margs in module_args.items()}
+
+
+def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments], trainable: list[str], *,
+                    fsdp_scope: str, model_fsdp: FsdpSettings) -> WrappedModules:
+    """Place, wrap and (for `empty_init` modules) fill every module; `trainable` from `apply_training_modes`."""
+    device = accelerator.device
+    plan = plan_wrapping(module_args, trainable, fsdp_scope)
+    result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable))
+    pending = dict(model.pending_weights)
+    shard_later = {n: f for n, f in pending.items() if plan[n] == "fsdp" and fsdp_scope == "module"}
+    for name, folder in pending.items():  # empty_init, not sharded: filled whole
+        if name not in shard_later:
+            fill_module(getattr(model, name), folder, device)
+    # placement + autocast; never DDP-wrapped (meta modules are placed by their filling below)
+    model = accelerator.prepare_model(model, device_placement=not shard_later, evaluation_mode=True)
+    if shard_later:
+        for name, module in model.omni_modules().items():
+            if name not in shard_later:
+                module.to(device)
+    if has_process_group():
+        if fsdp_scope == "model":  # one wrap of the whole composed model, frozen modules included
+            _wrap_fsdp(result, model, fsdp.MODEL_SCOPE, model_fsdp, device, lazy_init=True)
+        else:
+            for name, margs in module_args.items():
+                _wrap(result, getattr(model, name), name, plan[name], margs, device, lazy_init=name not in shard_later)
+    for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
+        fill_module(getattr(model, name), folder, device)
+        fsdp_lazy_init_root(getattr(model, name))
+    model.pending_weights = {}
+    return result
+
+
+def _wrap(result: WrappedModules, module: nn.Module, name: str, strategy: str, margs: ModuleArguments,
+          device: torch.device, lazy_init: bool) -> None:
+    if strategy == "fsdp":
+        _wrap_fsdp(result, module, name, margs.fsdp_settings(), device, lazy_init)
+    elif strategy == "ddp":
+        ddp.apply(module, device)
+        result.sync_units.append((module, "ddp", False))
+    else:
+        none.apply(module)
+
+
+def _wrap_fsdp(result: WrappedModules, module: nn.Module, name: str, settings: FsdpSettings, device: torch.device,
+               lazy_init: bool) -> None:
+    plugin = result.fsdp_plugins[name] = fsdp.build_plugin(module, name, settings)
+    fsdp.apply(module, name, plugin, device, lazy_init=lazy_init)
+    result.sync_units.append((module, "fsdp", not settings.reshard_after_backward))

@@ -1,0 +1,10 @@
+"""`parallel: none` (and every module when there is no process group): the module runs as it is, each rank on
+its own; nothing to sync, its state dict is already full."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def apply(module: nn.Module) -> nn.Module:
+    return module

@@ -1,0 +1,60 @@
+"""What trains inside a module, applied before it is wrapped: freeze, LoRA (PEFT, in place), activation
+checkpointing."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ..compat import inject_lora
+from ..errors import OmniArgumentError
+from ..module_arguments import ModuleArguments
+from ..module_io import lora_config_of
+
+logger = logging.getLogger(__name__)
+
+
+def freeze(module: nn.Module) -> None:
+    module.requires_grad_(False)
+    module.eval()
+
+
+def apply_lora(module: nn.Module, margs: ModuleArguments) -> bool:
+    """Inject LoRA adapters in place (PEFT); only the adapters train. Returns False when the config matches no
+    layer of this module and came from the top level (the module then stays fully frozen)."""
+    from peft import LoraConfig
+
+    if lora_config_of(module) is not None:  # an adapter loaded with the module: train it, do not add another
+        for name, param in module.named_parameters():
+            param.requires_grad_(".lora_" in name)
+        return True
+    if inject_lora(LoraConfig(**margs.lora), module):
+        return True
+    if margs.lora_from_module:
+        raise OmniArgumentError(margs.name, "lora", f"matches no layer of this module (target_modules="
+                                f"{margs.lora.get('target_modules')!r})")
+    logger.info("hf_omni: the top-level lora matches no layer of module %r; it stays fully frozen", margs.name)
+    return False
+
+
+def apply_activation_checkpointing(module: nn.Module, margs: ModuleArguments) -> None:
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        raise OmniArgumentError(margs.name, "activation_checkpointing",
+                                f"{type(module).__name__} does not support activation checkpointing")
+    module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_training_mode(module: nn.Module, margs: ModuleArguments) -> bool:
+    """Freeze | LoRA, then activation checkpointing. Returns whether anything in the module still trains."""
+    trainable = margs.trainable
+    if trainable and margs.lora:
+        freeze(module)
+        trainable = apply_lora(module, margs)
+    elif not trainable:
+        freeze(module)
+    if trainable and not any(p.requires_grad for p in module.parameters()):
+        trainable = False  # nothing left to train in it: treat as fully frozen
+    if trainable and margs.activation_checkpointing:
+        apply_activation_checkpointing(module, margs)
+    return trainable

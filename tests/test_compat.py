@@ -1,0 +1,94 @@
+"""The private third-party internals hf_omni relies on (hf_omni/compat.py) still exist and behave as it expects;
+and the package's own layout rules (no underscore imports across files, no silent excepts, small files)."""
+
+import ast
+import os
+import re
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from hf_omni import Projector, ProjectorConfig, compat
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_omni")
+
+
+@pytest.mark.parametrize("library,path", compat.PRIVATE_SYMBOLS, ids=[p for _, p in compat.PRIVATE_SYMBOLS])
+def test_private_symbol_exists_in_installed_version(library, path):
+    compat.resolve(path, library)
+
+
+def test_a_missing_internal_fails_loudly_naming_library_and_symbol():
+    with pytest.raises(compat.MissingInternalError, match=r"transformers's private `transformers\.Trainer\._gone`"):
+        compat.resolve("transformers.Trainer._gone")
+    with pytest.raises(compat.MissingInternalError, match=r"torch's private `torch\.distributed\._no_such_module\.x`"):
+        compat.resolve("torch.distributed._no_such_module.x")
+    assert compat.missing_symbols() == []
+
+
+def test_peft_still_reports_an_unmatched_lora_by_its_message():
+    from peft import LoraConfig
+
+    model = tiny_model()
+    assert compat.inject_lora(LoraConfig(r=2, target_modules=["q_proj"]), model.llm)
+    assert not compat.inject_lora(LoraConfig(r=2, target_modules=["q_proj"]), model.projector)
+    with pytest.raises(ValueError, match="not supported"):  # any other PEFT error still raises
+        compat.inject_lora(LoraConfig(r=2, target_modules=["act"]), tiny_model().projector)
+
+
+def test_transformers_still_renames_vit_keys_on_save():
+    names = compat.saved_key_names(tiny_model().vision)
+    assert names["layers.0.attention.q_proj.weight"] == "encoder.layer.0.attention.attention.query.weight", names
+    assert compat.saved_key_names(Projector(ProjectorConfig(4, 4))) == {}  # no conversion: names are the file's
+
+
+def test_trainer_decay_names_and_registered_auto_classes():
+    model = tiny_model()
+    decay = compat.decay_parameter_names(model.llm)
+    assert "model.layers.0.self_attn.q_proj.weight" in decay
+    assert not any("norm" in n or n.endswith("bias") for n in decay)
+    assert Projector in compat.registered_auto_classes()
+    assert len(compat.in_place_wrapper_classes()) == 2
+
+
+def test_init_weights_and_adapter_adoption_touch_what_transformers_reads():
+    projector = Projector(ProjectorConfig(4, 4))
+    layer = projector.layers[0]
+    torch.nn.init.zeros_(layer.weight)
+    compat.init_weights(projector, layer)
+    assert layer.weight.abs().sum() > 0
+    compat.adopt_loaded_adapter(projector)
+    assert projector._hf_peft_config_loaded is False
+
+
+def _sources():
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    yield os.path.relpath(path, PACKAGE), f.read()
+
+
+def test_package_layout_rules():
+    for rel, text in _sources():
+        assert text.count("\n") <= 250, f"{rel} has {text.count(chr(10))} lines (limit ~250: one job per file)"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{rel} imports private {private} from .{node.module or ''}"
+            if isinstance(node, ast.ExceptHandler):
+                broad = node.type is None or (isinstance(node.type, ast.Name) and
+                                              node.type.id in ("Exception", "BaseException"))
+                assert not broad, f"{rel}:{node.lineno} catches everything"
+
+
+def test_readme_key_table_is_the_declared_fields():
+    from hf_omni.module_arguments import MODULE_KEYS, key_table
+
+    with open(os.path.join(os.path.dirname(PACKAGE), "README.md")) as f:
+        readme = f.read()
+    assert key_table() in readme, "README's key table differs from hf_omni.module_arguments.key_table()"
+    documented = re.findall(r"^\| `(\w+)` \| `", readme.split("| key | default |")[1].split("\n\n")[0], re.M)
+    assert tuple(documented) == MODULE_KEYS
