@@ -17,9 +17,8 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .errors import OmniArgumentError
-from .module_arguments import (
-    MODULE_FIELDS, MODULE_KEYS, FsdpSettings, ModuleArguments, as_number, check_module_key, check_type, field_help, merge_overlay,
-)
+from .keys import as_number, check_type, merge_overlay
+from .module_arguments import MODULE_FIELDS, MODULE_KEYS, FsdpSettings, ModuleArguments, check_module_key, field_help
 
 FSDP_SCOPES = ("module", "model")
 GRAD_CLIP_SCOPES = ("per_module", "global")
@@ -140,7 +139,7 @@ class OmniTrainingArguments(TrainingArguments):
             overlay = self.modules.get(name, {})
             values = {key: merge_overlay(defaults.get(key), overlay[key]) if key in overlay else defaults.get(key)
                       for key in MODULE_KEYS if key in defaults}
-            for key in ("lr_scheduler_kwargs", "fsdp_plugin"):
+            for key in ("lr_scheduler_kwargs", "fsdp_plugin", "activation_checkpointing_kwargs"):
                 values[key] = values[key] or {}
             values["max_grad_norm"] = values["max_grad_norm"] or 0.0
             trainable = overlay.get("trainable", True)

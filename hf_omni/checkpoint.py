@@ -20,7 +20,7 @@ from .config import OmniConfig, module_folder
 from .dist import barrier, is_main
 from .module_io import save_module
 from .parallel import full_state_dict
-from .weights import read_into
+from .weights import file_layout, module_tensors, read_into, read_through_transformers
 
 
 def resume_weights_folders(model, directory: str) -> set[str]:
@@ -45,6 +45,19 @@ class ModuleCheckpointer:
         self._executor = None
         self._stagers: dict = {}  # module -> DCP stager reused by async saves
         self._exit_hook = False
+        self._unmapped: dict[str, frozenset[str]] = {}
+
+    def unmapped(self, name: str) -> frozenset[str]:
+        """Tensors of module `name` its HF files do not hold as is: a checkpoint keeps them in `state/`."""
+        if name not in self._unmapped:
+            module = getattr(self.model, name)
+            layout = file_layout(module)
+            self._unmapped[name] = frozenset(n for n in module_tensors(module) if n not in layout)
+        return self._unmapped[name]
+
+    def _unmapped_tensors(self, name: str) -> dict:
+        tensors = module_tensors(getattr(self.model, name))
+        return {n: tensors[n].detach() for n in sorted(self.unmapped(name))}
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, directory: str, optimizer, scheduler, step: int | None = None, write_marker: bool = True) -> None:
@@ -69,8 +82,8 @@ class ModuleCheckpointer:
                                       executor=self._writer() if self.save_async else None)
                 futures += [written] if written is not None else []
             stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
-            future = files.save_optimizer_state(module, optimizer.optimizers[name], scheduler.schedulers[name],
-                                                folder, stager=stager)
+            future = files.save_module_state(module, optimizer.optimizers[name], scheduler.schedulers[name],
+                                             folder, self._unmapped_tensors(name), stager=stager)
             futures += [future] if future is not None else []
         if is_main():
             self.model.write_config(directory)
@@ -144,13 +157,29 @@ class ModuleCheckpointer:
             if folders[name] != os.path.join(directory, config.module_entry(name)["subfolder"]):
                 raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
         todo = {name: folder for name, folder in folders.items() if name not in weights_loaded}
-        for name, folder in todo.items():  # shapes / dtypes of every module first: nothing half-loaded
-            read_into(getattr(self.model, name), folder, strict=True, module_name=name, dry_run=True)
-        for name, folder in todo.items():
-            read_into(getattr(self.model, name), folder, strict=True, module_name=name)
+        for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
+            for name, folder in todo.items():
+                self._read_weights(name, folder, dry_run)
         for name in self.model.module_names:
             entry = self.model.config.module_entry(name)
             entry["source"] = entry.get("source") or config.module_entry(name).get("source")
         for name in self.trainable:
-            files.load_optimizer_state(getattr(self.model, name), optimizer.optimizers[name],
-                                       scheduler.schedulers[name], folders[name])
+            files.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
+                                    scheduler.schedulers[name], folders[name], self._unmapped_tensors(name))
+
+    def _read_weights(self, name: str, folder: str, dry_run: bool) -> None:
+        """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`); a
+        frozen one from its source (through transformers' loading for what the files do not hold as is). A tensor
+        that cannot be restored is an error naming the module and tensor."""
+        module, unmapped = getattr(self.model, name), self.unmapped(name)
+        if name in self.trainable:
+            read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)
+            return
+        missing = read_into(module, folder, module_name=name, dry_run=dry_run)
+        lost = [n for n in missing if n not in unmapped]
+        if lost:
+            raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")
+        if missing and not dry_run:
+            lost = read_through_transformers(module, folder, missing, name)
+            if lost:
+                raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")

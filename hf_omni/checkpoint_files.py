@@ -136,15 +136,15 @@ def make_stager():
                                         use_non_blocking_copy=gpu))
 
 
-def save_optimizer_state(module, optimizer, scheduler, folder: str, stager=None):
-    """Optimizer state through DCP (every rank its own shards), scheduler state on rank 0. With a `stager` the
-    save is asynchronous: returns DCP's future."""
+def save_module_state(module, optimizer, scheduler, folder: str, tensors: dict, stager=None):
+    """`state/`: the optimizer state and the module `tensors` its HF files cannot serve as is, through DCP (every
+    rank its own shards); the scheduler on rank 0. With a `stager` the save is asynchronous: returns DCP's future."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer), "tensors": tensors}
     if is_main():
         torch.save(scheduler.state_dict(), os.path.join(state_dir, SCHEDULER))
     if stager is not None:
@@ -153,12 +153,26 @@ def save_optimizer_state(module, optimizer, scheduler, folder: str, stager=None)
     return None
 
 
-def load_optimizer_state(module, optimizer, scheduler, folder: str) -> None:
+def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) -> None:
+    """Read back `save_module_state`: `tensors` in place, the optimizer (resharded by DCP at another world size;
+    parameters that had no state when saved — never stepped, e.g. unused by the forward — get none), scheduler."""
+    import bisect
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state_dir = os.path.join(folder, STATE)
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    saved = sorted(dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata)
+    optim_state = get_optimizer_state_dict(module, optimizer)
+
+    def has_saved_state(fqn: str) -> bool:
+        prefix = f"optimizer.state.{fqn}."
+        at = bisect.bisect_left(saved, prefix)
+        return at < len(saved) and saved[at].startswith(prefix)
+
+    for fqn in [f for f in optim_state["state"] if not has_saved_state(f)]:
+        del optim_state["state"][fqn]
+    state = {"optimizer": optim_state, "tensors": tensors}
     dcp.load(state, checkpoint_id=state_dir)
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
     scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))

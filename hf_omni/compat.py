@@ -77,11 +77,11 @@ def fsdp_lazy_init_root(module: nn.Module) -> None:
     module._get_fsdp_state()._lazy_init()
 
 
-def composable_replicate(module: nn.Module, device: torch.device) -> nn.Module:
-    """torch's composable, in-place `replicate` (DDP's bucketed all-reduce with no wrapper object), initialised
-    now so parameters are broadcast from rank 0 before any method of the module runs."""
+def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
+    """torch's composable, in-place `replicate` (DDP's bucketed all-reduce with no wrapper object; `ddp_kwargs` go
+    to DDP), initialised now so parameters are broadcast from rank 0 before any method of the module runs."""
     replicate = resolve("torch.distributed._composable.replicate.replicate")
-    kwargs = {"device_id": device} if device.type != "cpu" else {}
+    kwargs = dict(ddp_kwargs, **({"device_id": device} if device.type != "cpu" else {}))
     replicate(module, **kwargs)
     replicate.state(module).lazy_init()
     return module
@@ -109,16 +109,11 @@ def registered_auto_classes() -> list[type]:
     return found
 
 
-def saved_key_names(module: nn.Module) -> dict[str, str]:
-    """Parameter name -> the key transformers' `save_pretrained` writes it under, for renamed keys only (ViT:
-    `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`). Tensors that
-    transformers merges or splits on load are not renames and keep their own names here."""
-    revert = resolve("transformers.core_model_loading.revert_weight_conversion")
-    named = {n.replace(".base_layer.", "."): p for n, p in module.named_parameters() if ".lora_" not in n}
-    placeholders = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in named.items()}
-    by_id = {id(t): n for n, t in placeholders.items()}
-    reverted = revert(module, dict(placeholders))
-    return {by_id[id(t)]: key for key, t in reverted.items() if id(t) in by_id and by_id[id(t)] != key}
+def transformers_save_keys(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under the keys transformers' `save_pretrained` writes it (its save-time key conversion: ViT's
+    `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`; MoE experts merged on load
+    are split again). Renamed tensors keep their identity; merged or split ones are new tensors."""
+    return resolve("transformers.core_model_loading.revert_weight_conversion")(module, dict(state))
 
 
 def init_weights(module: nn.Module, sub: nn.Module) -> None:

@@ -9,80 +9,15 @@ top-level defaults and the README's key table are all derived from these fields.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import OmniArgumentError
+from .keys import NUMBER, check_field, declared, default_of, key
 
-NUMBER = (int, float)
 MIXED_PRECISION_NAMES = ("no", "bf16", "fp16")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 MIXED_PRECISION_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def key(default: Any, types: tuple, help: str, *, nullable: bool = False, minimum: float | None = None,
-        choices=None, check=None, top_level: str | None = "same") -> Any:
-    """Declare a per-module (or `fsdp_plugin`) key. `choices`: a tuple or a callable returning one; `check(module,
-    value)`: a deeper validation; `top_level`: the OmniTrainingArguments attribute that is every module's default
-    (None: per-module only)."""
-    metadata = {"key": True, "types": types, "help": help, "nullable": nullable, "minimum": minimum,
-                "choices": choices, "check": check, "top_level": top_level}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def merge_overlay(base: Any, overlay: Any) -> Any:
-    """Dicts merge key by key (recursively); lists and scalars replace; `None` removes the inherited value."""
-    if isinstance(base, dict) and isinstance(overlay, dict):
-        out = dict(base)
-        for name, value in overlay.items():
-            if value is None:
-                out.pop(name, None)
-            else:
-                out[name] = merge_overlay(base.get(name), value)
-        return out
-    return overlay
-
-
-def as_number(module: str | None, name: str, value: Any) -> Any:
-    """YAML reads `1e-4` as a string: accept numeric strings for numeric keys."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise OmniArgumentError(module, name, f"expected a number, got {value!r}") from None
-    return value
-
-
-def check_type(module: str | None, name: str, value: Any, types: tuple) -> None:
-    names = "/".join("null" if t is type(None) else t.__name__ for t in types)
-    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        raise OmniArgumentError(module, name, f"expected {names}, got {type(value).__name__} {value!r}")
-
-
-def check_field(module: str | None, name: str, value: Any, meta: dict) -> Any:
-    """Validate one declared key's value (coercing numeric strings); returns the value to use."""
-    if value is None:
-        if not meta["nullable"]:
-            raise OmniArgumentError(module, name, "null only removes dict or optional values")
-        return None
-    if meta["types"] is NUMBER or set(NUMBER) <= set(meta["types"]):
-        value = as_number(module, name, value)
-    check_type(module, name, value, meta["types"])
-    if meta["minimum"] is not None and value < meta["minimum"]:
-        raise OmniArgumentError(module, name, f"must be >= {meta['minimum']}, got {value}")
-    choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-    if choices is not None and value not in choices:
-        raise OmniArgumentError(module, name, f"must be one of {tuple(choices)}, got {value!r}")
-    if meta["check"] is not None:
-        meta["check"](module, value)
-    return value
-
-
-def declared(cls) -> dict[str, Any]:
-    """The declared keys of `cls`: name -> dataclass field."""
-    return {f.name: f for f in fields(cls) if f.metadata.get("key")}
 
 
 # -- fsdp_plugin ----------------------------------------------------------------------------------------
@@ -90,11 +25,20 @@ def check_mixed_precision(module: str | None, value: Any) -> None:
     if isinstance(value, str) and value not in MIXED_PRECISION_NAMES:
         raise OmniArgumentError(module, "fsdp_plugin.mixed_precision",
                                 f"must be one of {MIXED_PRECISION_NAMES} or a dict, got {value!r}")
+    if value == "fp16" or (isinstance(value, dict) and value.get("param_dtype") == "float16"):
+        raise OmniArgumentError(module, "fsdp_plugin.mixed_precision", "fp16 parameters need loss scaling, which "
+                                "per-module FSDP does not do: use bf16")
     if isinstance(value, dict):
         for name, dtype in value.items():
             if name not in MIXED_PRECISION_KEYS or dtype not in MIXED_PRECISION_DTYPES:
                 raise OmniArgumentError(module, f"fsdp_plugin.mixed_precision.{name}",
                                         f"keys {MIXED_PRECISION_KEYS}, values {MIXED_PRECISION_DTYPES}; got {dtype!r}")
+
+
+def _refuse_ram_loading(module: str | None, value: bool) -> None:
+    if value:
+        raise OmniArgumentError(module, "fsdp_plugin.cpu_ram_efficient_loading", "hf_omni does not load through "
+                                "Accelerate: build the model with `from_pretrained(dir, empty_init=True)` instead")
 
 
 @dataclass
@@ -111,11 +55,11 @@ class FsdpSettings:
     reshard_after_backward: bool = key(
         True, (bool,), "false: stay gathered across a gradient-accumulation window", top_level=None)
     mixed_precision: str | dict | None = key(
-        None, (str, dict), "`no` | `bf16` | `fp16` | {param_dtype, reduce_dtype, output_dtype} as dtype names",
+        None, (str, dict), "`no`, `bf16`, `fp16`, or {param_dtype, reduce_dtype, output_dtype} as dtype names",
         nullable=True, check=check_mixed_precision, top_level=None)
     cpu_offload: bool = key(False, (bool,), "keep sharded parameters on CPU", top_level=None)
-    cpu_ram_efficient_loading: bool = key(False, (bool,), "Accelerate's flag (hf_omni's `empty_init` does this)",
-                                          top_level=None)
+    cpu_ram_efficient_loading: bool = key(False, (bool,), "refused: build with `empty_init=True` (each rank reads "
+                                          "only its own rows)", top_level=None, check=_refuse_ram_loading)
     ignored_modules: list | str | None = key(None, (list, str), "submodules left unsharded", nullable=True,
                                              top_level=None)
 
@@ -192,10 +136,20 @@ class ModuleArguments:
                                       nullable=True, minimum=0)
     activation_checkpointing: bool = key(False, (bool,), "recompute activations in backward",
                                          top_level="module_activation_checkpointing")
-    parallel: str = key("ddp", (str,), "fsdp | ddp | none: how the module is wrapped under a process group",
+    activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "
+                                                "use_reentrant: false)", nullable=True)
+    parallel: str = key("ddp", (str,), "`fsdp`, `ddp` or `none`: how the module is wrapped under a process group",
                         choices=PARALLEL_CHOICES)
     fsdp_plugin: dict = key({}, (dict,), "FsdpSettings for a `parallel: fsdp` module (merged key by key)",
                             nullable=True, check=_check_fsdp)
+    ddp_find_unused_parameters: bool | None = key(
+        None, (bool,), "`parallel: ddp`: DDP's find_unused_parameters (unset: true unless activation checkpointing, "
+        "as Trainer)", nullable=True)
+    ddp_bucket_cap_mb: int | None = key(None, (int,), "`parallel: ddp`: DDP's bucket_cap_mb", nullable=True,
+                                        minimum=1)
+    ddp_broadcast_buffers: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's broadcast_buffers (unset: "
+                                             "true)", nullable=True)
+    ddp_static_graph: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's static_graph", nullable=True)
     # derived from where a value came from, not keys
     lora_from_module: bool = False       # written under modules.<name> (then it must match something)
     parallel_from_module: bool = False   # a frozen module is wrapped only when its own entry asks
@@ -207,6 +161,15 @@ class ModuleArguments:
         if num_training_steps is None:
             raise OmniArgumentError(self.name, "warmup_steps", "a ratio needs the number of training steps")
         return math.ceil(num_training_steps * self.warmup_steps)
+
+    def ddp_kwargs(self) -> dict:
+        """DDP's arguments for this module, with Trainer's defaults."""
+        find_unused = self.ddp_find_unused_parameters
+        kwargs = {"find_unused_parameters": not self.activation_checkpointing if find_unused is None else find_unused}
+        for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
+            if getattr(self, f"ddp_{name}") is not None:
+                kwargs[name] = getattr(self, f"ddp_{name}")
+        return kwargs
 
     def fsdp_settings(self) -> FsdpSettings:
         return FsdpSettings.from_dict(self.name, self.fsdp_plugin or {})
@@ -225,10 +188,6 @@ def check_module_key(module: str | None, name: str, value: Any) -> Any:
     if name not in MODULE_FIELDS:
         raise OmniArgumentError(module, name, f"unknown key; known: {sorted(MODULE_KEYS)}")
     return check_field(module, name, value, dict(MODULE_FIELDS[name].metadata))
-
-
-def default_of(f) -> Any:
-    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def key_table() -> str:

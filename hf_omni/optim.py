@@ -65,12 +65,13 @@ def build_optimizers(model: nn.Module, trainable: list[str], module_args: dict[s
     return ModuleOptimizers(optimizers, params), ModuleSchedulers(schedulers)
 
 
-def module_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """L2 norm of the module's gradients; for sharded (DTensor) gradients the full norm over all ranks."""
+def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """L2 norm of the module's gradients; for sharded (DTensor) gradients the full norm over all ranks. A module
+    with no gradients has norm 0 on its own device."""
     from torch.nn.utils import get_total_norm
 
     if not params:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     norm = get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -84,7 +85,7 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
     from torch.nn.utils import clip_grads_with_norm_
 
     grads = {name: [p for p in params if p.grad is not None] for name, params in optimizer.params.items()}
-    norms = {name: module_grad_norm(params) for name, params in grads.items()}
+    norms = {name: module_grad_norm(params, optimizer.params[name][0].device) for name, params in grads.items()}
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
     for name, params in grads.items():
         limit, norm = (global_limit, total) if global_limit is not None else (limits[name], norms[name])

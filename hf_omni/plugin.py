@@ -83,6 +83,12 @@ class OmniPlugin:
         """Resolve every module's settings against `model` (unknown / missing modules are errors)."""
         if not isinstance(model, OmniModel):
             raise TypeError(f"OmniPlugin prepares an OmniModel, got {type(model).__name__}")
+        owned = [n for n, _ in list(model.named_parameters()) + list(model.named_buffers())
+                 if n.split(".", 1)[0] not in model.module_names]
+        if owned:
+            raise ValueError(f"{type(model).__name__} owns tensors outside every module: {owned[:5]}. Checkpoints "
+                             "and exports have one folder per module and none for the composed model: put them in a "
+                             "module (a Projector, or a small PreTrainedModel) passed to from_modules")
         self.module_args = self.args.resolve_modules(model.module_names)
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")

@@ -1,15 +1,15 @@
-"""Memory-efficient builds: modules created on the meta device, filled from their weights folder in `prepare`.
+"""Reading a module's tensors back in place from its HF folder: every parameter and persistent buffer, a sharded
+one as this rank's rows only.
 
-`OmniModel.from_pretrained(dir, empty_init=True)` builds each module's parameters on the meta device (buffers
-stay real: rotary tables and the like are computed, not loaded) and records the folder its weights live in.
-`OmniPlugin.prepare` then fills each module where it ends up:
+Where each tensor lives in the folder (`file_layout`) is traced, not guessed: meta placeholders of the module's
+tensors go through exactly what `module_io.save_module` applies (LoRA keys split off, transformers' save-time key
+conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
+is stored there as is. What the files do not hold as is (MoE experts that transformers splits on save, ...) a
+checkpoint keeps in its `state/` (`checkpoint_files`); a plain HF folder (`empty_init`, a frozen module's source)
+serves it through transformers' own loading (`read_through_transformers`).
 
-- a module that will be sharded is sharded first (on meta), then every rank allocates its own shards and reads
-  just those rows from the safetensors files (`get_slice`): no rank ever holds a full copy, no communication;
-- any other module is allocated whole and read tensor by tensor.
-
-LoRA adapters injected in place (from the folder's adapter files, or new) are filled the same way; parameters
-the files lack (a head the module never saved, a fresh adapter) get the module's own initialisation.
+`empty_init` (`fill_module`): a module that will be sharded is sharded first (on meta), then every rank allocates
+its own shards and reads just those rows (`get_slice`): no rank holds a full copy, no communication.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import os
 import torch
 from torch import nn
 
-from .compat import init_weights, saved_key_names
-from .module_io import ADAPTER_WEIGHTS, PEFT_PREFIX, has_adapter
+from .compat import init_weights, transformers_save_keys
+from .module_io import ADAPTER_WEIGHTS, PEFT_PREFIX, base_state_dict, has_adapter, lora_config_of, original_class
 
 logger = logging.getLogger(__name__)
-
-
-def is_empty(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
+WEIGHTS, ADAPTER = "weights", "adapter"
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
 
 
 class SafetensorsIndex:
@@ -37,12 +37,11 @@ class SafetensorsIndex:
     def __init__(self, folder: str, filenames: list[str]):
         from safetensors import safe_open
 
-        self.handles = {}
         self.where = {}
         for name in filenames:
             path = os.path.join(folder, name)
             if os.path.isfile(path):
-                handle = self.handles[name] = safe_open(path, framework="pt")
+                handle = safe_open(path, framework="pt")
                 for key in handle.keys():
                     self.where[key] = handle
 
@@ -57,6 +56,10 @@ class SafetensorsIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        handle = self.where[key].get_slice(key)
+        return tuple(handle.get_shape()), DTYPES.get(handle.get_dtype())
+
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The whole tensor, or only rows [start, stop) of dim 0 (read from disk alone)."""
         if rows is None:
@@ -64,84 +67,135 @@ class SafetensorsIndex:
         return self.where[key].get_slice(key)[rows[0]:rows[1]]
 
 
-def _file_keys(state_key: str, keymap: dict[str, str]) -> tuple[list[str], bool]:
-    """Where a parameter of a (possibly LoRA-injected) module may live: (candidate file keys, is an adapter)."""
-    if ".lora_" in state_key:
-        return [PEFT_PREFIX + state_key.replace(".default.", ".")], True
-    native = state_key.replace(".base_layer.", ".")
-    return [k for k in (keymap.get(native), native) if k], False
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a module's state is made of: its parameters (tied ones once) and persistent buffers."""
+    persistent = set(module.state_dict(keep_vars=True))
+    tensors = dict(module.named_parameters())
+    tensors.update((n, b) for n, b in module.named_buffers() if n in persistent)
+    return tensors
 
 
-def _local_rows(param) -> tuple[int, int] | None:
+def file_layout(module: nn.Module) -> dict[str, tuple[str, str]]:
+    """Tensor name -> (WEIGHTS | ADAPTER, key) for each tensor `save_module` writes as is."""
+    placeholders = {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                    for n, t in module_tensors(module).items()}
+    owner = {id(t): n for n, t in placeholders.items()}
+    layout = {}
+    for key, t in transformers_save_keys(module, base_state_dict(placeholders)).items():
+        if id(t) in owner:
+            layout[owner[id(t)]] = (WEIGHTS, key)
+    if lora_config_of(module) is not None:
+        from peft import get_peft_model_state_dict
+
+        for key, t in get_peft_model_state_dict(module, state_dict=placeholders).items():
+            if id(t) in owner:
+                layout[owner[id(t)]] = (ADAPTER, PEFT_PREFIX + key)
+    return layout
+
+
+def local_rows(tensor) -> tuple[int, int] | None:
     """Rows [start, stop) of dim 0 this rank holds of a DTensor sharded on dim 0 (torch.chunk layout); None for a
     plain tensor."""
-    if not hasattr(param, "to_local"):
+    if not hasattr(tensor, "to_local"):
         return None
     from torch.distributed.tensor import Shard
 
-    (placement,) = param.placements
+    (placement,) = tensor.placements
     if not isinstance(placement, Shard) or placement.dim != 0:
-        raise NotImplementedError(f"empty_init loads dim-0 shards only, got {param.placements}")
-    mesh = param.device_mesh
+        raise NotImplementedError(f"hf_omni reads dim-0 shards only, got {tensor.placements}")
+    mesh = tensor.device_mesh
     rank, world = mesh.get_local_rank(), mesh.size()
-    full = param.shape[0]
+    full = tensor.shape[0]
     chunk = -(-full // world)
     start = min(rank * chunk, full)
     return start, min(start + chunk, full)
 
 
+def copy_rows(tensor: torch.Tensor, full_or_rows) -> None:
+    """Copy a value into `tensor` in place (a sharded tensor: into its local shard), casting to its dtype."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local.copy_(full_or_rows.to(local.dtype))
+
+
+def _castable(saved: torch.dtype | None, ours: torch.dtype) -> bool:
+    return saved == ours or (saved is not None and saved.is_floating_point and ours.is_floating_point)
+
+
 @torch.no_grad()
-def fill_module(module: nn.Module, folder: str, device: torch.device) -> list[str]:
-    """Allocate `module`'s meta parameters on `device` (only the local shards of sharded ones) and read them
-    from `folder`; returns the parameter names the files lack (initialised by the module instead)."""
+def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "", dry_run: bool = False,
+              skip: frozenset[str] = frozenset()) -> list[str]:
+    """Copy the tensors `folder`'s HF files hold (LoRA adapter beside them) into `module` in place, cast to each
+    tensor's own dtype; a sharded tensor reads only this rank's rows. Shapes (and integer dtypes) must match: the
+    error names module and tensor. Returns the tensors the files lack (`strict`: an error); `skip` are read
+    elsewhere."""
+    weights = SafetensorsIndex.for_weights(folder)
+    adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
+    layout = file_layout(module)
+    plan, missing = [], []
+    for name, tensor in module_tensors(module).items():
+        if name in skip:
+            continue
+        kind, key = layout.get(name, (None, None))
+        source = adapter if kind == ADAPTER else weights
+        if key is None or source is None or key not in source:
+            missing.append(name)
+            continue
+        shape, dtype = source.info(key)
+        if shape != tuple(tensor.shape) or not _castable(dtype, tensor.dtype):
+            raise ValueError(f"module {module_name!r}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype} in the "
+                             f"model but {shape} {dtype} in {folder}")
+        plan.append((tensor, source, key))
+    if strict and missing:
+        raise ValueError(f"module {module_name!r}: {folder} cannot restore {len(missing)} tensors {missing[:5]}")
+    if not dry_run:
+        for tensor, source, key in plan:  # only after every check passed: nothing is half-overwritten
+            copy_rows(tensor, source.read(key, local_rows(tensor)))
+    return missing
+
+
+@torch.no_grad()
+def read_through_transformers(module: nn.Module, folder: str, names: list[str], module_name: str) -> list[str]:
+    """The tensors `names` of `module`, from a plain HF folder through transformers' own loading (its key
+    conversion on load: merged MoE experts, ...). Costs one full copy of the module on CPU while it runs; used only
+    for tensors the files do not hold as is. Returns the names transformers' model does not have either."""
+    dtype = next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
+    loaded = original_class(module).from_pretrained(folder, dtype=dtype).state_dict()
+    left = []
+    for name in names:
+        value = loaded.get(name.replace(".base_layer.", "."))
+        tensor = module_tensors(module)[name]
+        if value is None or tuple(value.shape) != tuple(tensor.shape):
+            left.append(name)
+            continue
+        rows = local_rows(tensor)
+        copy_rows(tensor, value if rows is None else value[rows[0]:rows[1]])
+    logger.info("hf_omni: module %r: %d tensors read through transformers' loading from %s", module_name,
+                len(names) - len(left), folder)
+    return left
+
+
+@torch.no_grad()
+def fill_module(module: nn.Module, folder: str, device: torch.device, module_name: str = "") -> list[str]:
+    """Allocate `module`'s meta tensors on `device` (only the local shards of sharded ones) and read them from the
+    HF folder `folder`; returns the names it lacks (initialised by the module instead, with a warning, as
+    `from_pretrained` does)."""
     buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
     module.to_empty(device=device)
     for name, buf in module.named_buffers():
-        buf.copy_(buffers[name])
-    missing = read_into(module, folder)
+        buf.copy_(buffers[name])  # computed buffers (rotary tables); persistent ones are read below
+    missing = read_into(module, folder, module_name=module_name)
+    layout = file_layout(module)
+    unmapped = [n for n in missing if n not in layout]
+    if unmapped:
+        missing = [n for n in missing if n in layout] + read_through_transformers(module, folder, unmapped,
+                                                                                  module_name)
+    params = dict(module.named_parameters())
+    missing = [n for n in missing if n in params]  # a buffer the files lack keeps its constructed value
     if missing:
-        logger.warning("hf_omni: %s has no stored value for %s; initialised by %s", folder, missing,
-                       type(module).__name__)
+        logger.warning("hf_omni: module %r: %s has no stored value for %s; initialised by %s", module_name, folder,
+                       missing, type(module).__name__)
         _initialise(module, missing)
     return missing
-
-
-@torch.no_grad()
-def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "",
-              dry_run: bool = False) -> list[str]:
-    """Copy the weights in `folder` (HF files, LoRA adapter beside them) into `module`'s parameters: a sharded
-    parameter reads only this rank's rows. Shapes and dtypes must match (the error names module and parameter);
-    returns the parameters the files lack (`strict`: an error)."""
-    weights = SafetensorsIndex.for_weights(folder)
-    adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
-    plan, missing = [], []
-    keymap = saved_key_names(module)
-    for name, param in module.named_parameters():
-        keys, is_adapter = _file_keys(name, keymap)
-        source = adapter if is_adapter else weights
-        key = next((k for k in keys if source is not None and k in source), None)
-        if key is None:
-            missing.append(name)
-            continue
-        handle = source.where[key].get_slice(key)
-        shape, dtype = tuple(handle.get_shape()), handle.get_dtype()
-        if shape != tuple(param.shape) or _DTYPES.get(dtype) != param.dtype:
-            raise ValueError(f"module {module_name!r}: parameter {name} is {tuple(param.shape)} {param.dtype} in "
-                             f"the model but {shape} {dtype} in {folder}")
-        plan.append((name, param, source, key))
-    if strict and missing:
-        raise ValueError(f"module {module_name!r}: {folder} lacks parameters {missing[:5]}")
-    if dry_run:
-        return missing
-    for name, param, source, key in plan:  # only after every check passed: nothing is half-overwritten
-        rows = _local_rows(param)
-        local = param.to_local() if rows is not None else param
-        local.copy_(source.read(key, rows).to(local.dtype))
-    return missing
-
-
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _initialise(module: nn.Module, names: list[str]) -> None:

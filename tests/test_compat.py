@@ -38,9 +38,13 @@ def test_peft_still_reports_an_unmatched_lora_by_its_message():
 
 
 def test_transformers_still_renames_vit_keys_on_save():
-    names = compat.saved_key_names(tiny_model().vision)
-    assert names["layers.0.attention.q_proj.weight"] == "encoder.layer.0.attention.attention.query.weight", names
-    assert compat.saved_key_names(Projector(ProjectorConfig(4, 4))) == {}  # no conversion: names are the file's
+    vision = tiny_model().vision
+    params = dict(vision.named_parameters())
+    saved = compat.transformers_save_keys(vision, params)
+    query = params["layers.0.attention.q_proj.weight"]
+    assert saved["encoder.layer.0.attention.attention.query.weight"] is query  # renamed, same tensor
+    projector = Projector(ProjectorConfig(4, 4))
+    assert compat.transformers_save_keys(projector, projector.state_dict()).keys() == projector.state_dict().keys()
 
 
 def test_trainer_decay_names_and_registered_auto_classes():

@@ -79,7 +79,7 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
     shard_later = {n: f for n, f in pending.items() if plan[n] == "fsdp" and fsdp_scope == "module"}
     for name, folder in pending.items():  # empty_init, not sharded: filled whole
         if name not in shard_later:
-            fill_module(getattr(model, name), folder, device)
+            fill_module(getattr(model, name), folder, device, name)
     # placement + autocast; never DDP-wrapped (meta modules are placed by their filling below)
     model = accelerator.prepare_model(model, device_placement=not shard_later, evaluation_mode=True)
     if shard_later:
@@ -93,7 +93,7 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
             for name, margs in module_args.items():
                 _wrap(result, getattr(model, name), name, plan[name], margs, device, lazy_init=name not in shard_later)
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
-        fill_module(getattr(model, name), folder, device)
+        fill_module(getattr(model, name), folder, device, name)
         fsdp_lazy_init_root(getattr(model, name))
     model.pending_weights = {}
     return result
@@ -104,7 +104,7 @@ def _wrap(result: WrappedModules, module: nn.Module, name: str, strategy: str, m
     if strategy == "fsdp":
         _wrap_fsdp(result, module, name, margs.fsdp_settings(), device, lazy_init)
     elif strategy == "ddp":
-        ddp.apply(module, device)
+        ddp.apply(module, device, margs.ddp_kwargs())
         result.sync_units.append((module, "ddp", False))
     else:
         none.apply(module)

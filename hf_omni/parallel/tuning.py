@@ -42,7 +42,8 @@ def apply_activation_checkpointing(module: nn.Module, margs: ModuleArguments) ->
     if not getattr(module, "supports_gradient_checkpointing", False):
         raise OmniArgumentError(margs.name, "activation_checkpointing",
                                 f"{type(module).__name__} does not support activation checkpointing")
-    module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False, **(margs.activation_checkpointing_kwargs or {})}
+    module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
 def apply_training_mode(module: nn.Module, margs: ModuleArguments) -> bool:
