@@ -159,7 +159,9 @@ def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) 
     import bisect
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+    )
 
     state_dir = os.path.join(folder, STATE)
     saved = sorted(dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata)
@@ -170,11 +172,15 @@ def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) 
         at = bisect.bisect_left(saved, prefix)
         return at < len(saved) and saved[at].startswith(prefix)
 
-    for fqn in [f for f in optim_state["state"] if not has_saved_state(f)]:
+    stateless = [fqn for fqn in optim_state["state"] if not has_saved_state(fqn)]
+    for fqn in stateless:
         del optim_state["state"][fqn]
     state = {"optimizer": optim_state, "tensors": tensors}
     dcp.load(state, checkpoint_id=state_dir)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"])
+    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=StateDictOptions(strict=not stateless))
+    params = dict(module.named_parameters())
+    for fqn in stateless:  # as in the saved run: no state until their first gradient
+        optimizer.state.pop(params[fqn], None)
     scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))
 
 

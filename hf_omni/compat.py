@@ -29,8 +29,6 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.Trainer._move_model_to_device"),
     ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
     ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
-    ("peft", "peft.tuners.lora.Linear"),
-    ("peft", "peft.utils.other.transpose"),
 ]
 
 
@@ -165,11 +163,20 @@ def inject_lora(config, module: nn.Module) -> bool:
     return True
 
 
-def lora_linear_delta(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """B @ A x scaling of a PEFT LoRA Linear layer, in the layout of its base weight."""
-    transpose = resolve("peft.utils.other.transpose")
-    return transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling["default"]
-
-
-def lora_linear_class() -> type:
-    return resolve("peft.tuners.lora.Linear")
+def init_lora_layer(layer: nn.Module, config) -> None:
+    """A fresh adapter's initialisation for one PEFT LoRA layer whose base weights are now real (`empty_init`
+    injects adapters on the meta device): PEFT's reset, then its variant's own init (DoRA: the magnitude
+    vector is the base weight's norm)."""
+    layer.reset_lora_parameters("default", config.init_lora_weights)
+    if config.init_lora_weights is False:  # PEFT leaves these to the constructors, which ran on meta
+        for name in ("lora_A", "lora_B"):
+            if "default" in getattr(layer, name):
+                getattr(layer, name)["default"].reset_parameters()
+        for name in ("lora_embedding_A", "lora_embedding_B"):
+            if "default" in getattr(layer, name, {}):
+                torch.nn.init.normal_(getattr(layer, name)["default"])
+    variants = getattr(layer, "lora_variant", None)
+    if variants is None:
+        raise MissingInternalError("hf_omni relies on peft's LoraLayer.lora_variant, which the installed peft lacks")
+    if "default" in variants:
+        variants["default"].init(layer, adapter_name="default", config=config)

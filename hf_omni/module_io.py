@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .compat import adopt_loaded_adapter, in_place_wrapper_classes, lora_linear_class, lora_linear_delta
+from .compat import adopt_loaded_adapter, in_place_wrapper_classes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -41,22 +41,43 @@ def lora_config_of(module: nn.Module):
 
 
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict with LoRA adapters removed and `base_layer` folded back: the original keys."""
-    return {key.replace(".base_layer.", "."): value for key, value in state.items()
-            if ".lora_" not in key and not key.startswith("lora_")}
+    """A state dict with PEFT's additions removed — LoRA tensors, `modules_to_save` copies (they live in the
+    adapter) — and `base_layer` / `original_module` folded back: the original model's keys."""
+    return {key.replace(".base_layer.", ".").replace(".original_module.", "."): value for key, value in state.items()
+            if ".lora_" not in key and not key.startswith("lora_") and ".modules_to_save." not in key}
 
 
-def merged_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Base weights with every LoRA delta (B @ A x scaling) added in: a plain model's state dict."""
-    merged = base_state_dict(state)
-    for name, sub in module.named_modules():
-        if isinstance(sub, lora_linear_class()) and "default" in sub.lora_A:
-            a, b = state[f"{name}.lora_A.default.weight"], state[f"{name}.lora_B.default.weight"]
-            delta = lora_linear_delta(sub, a, b)
-            merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta.to(merged[f"{name}.weight"].dtype)
-        elif hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
-            raise NotImplementedError(f"merging LoRA into {type(sub).__name__} layers ({name}) is not supported")
-    return merged
+def adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter file's tensors: PEFT's own adapter state dict, keyed as `PeftModel.save_pretrained` keys it,
+    except DoRA's magnitude, written as `...lora_magnitude_vector.weight` — a name both PEFT's loader and
+    transformers' adapter auto-load map back to the parameter (transformers misses the bare name)."""
+    from peft import get_peft_model_state_dict
+
+    out = {}
+    for key, value in get_peft_model_state_dict(module, state_dict=state).items():
+        out[PEFT_PREFIX + key + (".weight" if key.endswith("lora_magnitude_vector") else "")] = value
+    return out
+
+
+def merged_module(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain copy of a LoRA module with every adapter merged by PEFT itself (`merge_and_unload`: LoRA on Linear,
+    Embedding and Conv layers, DoRA, rsLoRA, `modules_to_save`), built from its full `state` on CPU."""
+    import copy
+
+    from accelerate import init_empty_weights
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    with init_empty_weights(include_buffers=False):
+        plain = original_class(module)(module.config)
+    # copies: the merge writes into the base weights, which must not be the live module's
+    plain.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in base_state_dict(state).items()},
+                          assign=True)
+    peft_model = get_peft_model(plain, copy.deepcopy(lora_config_of(module)))
+    adapter = get_peft_model_state_dict(module, state_dict=state)
+    result = set_peft_model_state_dict(peft_model, {PEFT_PREFIX + k: v for k, v in adapter.items()})
+    if result.unexpected_keys:
+        raise ValueError(f"merging LoRA: PEFT did not take {result.unexpected_keys[:5]}")
+    return peft_model.merge_and_unload()
 
 
 def record_original_class(folder: str, cls: type) -> None:
@@ -90,12 +111,12 @@ def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
     `state` (`parallel.full_state_dict`, gathered on every rank; the main process calls this). With an
     `executor`, the tensors are copied now and written in the background: returns the future."""
     lora = lora_config_of(module)
-    weights = merged_state_dict(module, state) if (lora and merge_lora) else base_state_dict(state)
-    adapter = None
-    if lora is not None and not merge_lora:
-        from peft import get_peft_model_state_dict
-
-        adapter = {PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(module, state_dict=state).items()}
+    if lora is not None and merge_lora:
+        module, lora = merged_module(module, state), None
+        weights = module.state_dict()
+    else:
+        weights = base_state_dict(state)
+    adapter = adapter_state_dict(module, state) if lora is not None else None
     copy = executor is not None  # training goes on while the files are written: write a snapshot
     weights, adapter = (on_cpu(t, copy) if t is not None else None for t in (weights, adapter))
     write = lambda: write_module_files(module, folder, weights, lora, adapter, processor)  # noqa: E731
@@ -128,17 +149,16 @@ def has_adapter(folder: str) -> bool:
 def load_adapter(module: nn.Module, folder: str) -> None:
     """Inject the LoRA adapter saved in `folder` into `module` in place and load its weights.
 
-    `PreTrainedModel.from_pretrained` loads an adapter it finds beside the weights by itself; such a module is
-    adopted as is (marked as a plain in-place injection, so that `save_pretrained` writes its base weights too).
+    `PreTrainedModel.from_pretrained` injects an adapter it finds beside the weights by itself; such a module is
+    adopted (marked as a plain in-place injection, so that `save_pretrained` writes its base weights too) and its
+    adapter weights are set again from the file by PEFT (transformers' loader misses some, e.g. DoRA's magnitude).
     """
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
     if lora_config_of(module) is not None:
         adopt_loaded_adapter(module)
-        return
-
-    config = LoraConfig.from_pretrained(folder)
-    inject_adapter_in_model(config, module)
+    else:
+        inject_adapter_in_model(LoraConfig.from_pretrained(folder), module)
     weights = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
     weights = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v for k, v in weights.items()}
     result = set_peft_model_state_dict(module, weights)
@@ -160,8 +180,16 @@ def build_empty(module_cls, folder: str) -> nn.Module:
     from accelerate import init_empty_weights
 
     config = module_cls.config_class.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):
-        module = module_cls(config)
+    dtype = getattr(config, "dtype", None)  # what from_pretrained would build it in: the saved dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    previous = torch.get_default_dtype()
+    try:
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            torch.set_default_dtype(dtype)
+        with init_empty_weights(include_buffers=False):
+            module = module_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
     if has_adapter(folder):
         from peft import LoraConfig, inject_adapter_in_model
 

@@ -21,8 +21,8 @@ import os
 import torch
 from torch import nn
 
-from .compat import init_weights, transformers_save_keys
-from .module_io import ADAPTER_WEIGHTS, PEFT_PREFIX, base_state_dict, has_adapter, lora_config_of, original_class
+from .compat import init_lora_layer, init_weights, transformers_save_keys
+from .module_io import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, has_adapter, lora_config_of, original_class
 
 logger = logging.getLogger(__name__)
 WEIGHTS, ADAPTER = "weights", "adapter"
@@ -85,11 +85,9 @@ def file_layout(module: nn.Module) -> dict[str, tuple[str, str]]:
         if id(t) in owner:
             layout[owner[id(t)]] = (WEIGHTS, key)
     if lora_config_of(module) is not None:
-        from peft import get_peft_model_state_dict
-
-        for key, t in get_peft_model_state_dict(module, state_dict=placeholders).items():
+        for key, t in adapter_state_dict(module, placeholders).items():
             if id(t) in owner:
-                layout[owner[id(t)]] = (ADAPTER, PEFT_PREFIX + key)
+                layout[owner[id(t)]] = (ADAPTER, key)
     return layout
 
 
@@ -201,12 +199,14 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
 def _initialise(module: nn.Module, names: list[str]) -> None:
     """The module's own initialisation for parameters with no stored value (LoRA layers: their reset)."""
     owners = {name.rsplit(".", 1)[0] if "." in name else "" for name in names}
+    lora_layers = {owner.split(".lora_")[0] for owner in owners if ".lora_" in f".{owner}."}
+    for layer in sorted(lora_layers):
+        init_lora_layer(module.get_submodule(layer), lora_config_of(module))
     for owner in sorted(owners):
         sub = module.get_submodule(owner)
         if ".lora_" in f".{owner}.":
-            layer = module.get_submodule(owner.split(".lora_")[0])
-            layer.reset_lora_parameters("default", True)
-        elif hasattr(module, "_init_weights"):
+            continue
+        if hasattr(module, "_init_weights"):
             init_weights(module, sub)
         else:
             raise ValueError(f"no stored value and no initialisation for {owner}")
