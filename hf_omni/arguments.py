@@ -72,6 +72,8 @@ class OmniTrainingArguments(TrainingArguments):
             (self.parallelism_config is not None, "parallelism_config", "one global device mesh for the whole model; "
              "set `parallel` (and `fsdp_plugin`) per module under modules.<name>"),
             (self.fp16, "fp16", "per-module optimizers share no GradScaler; use bf16"),
+            (self.torch_compile, "torch_compile", "Trainer would compile the composed model as a whole, around "
+             "the per-module wrapping; per-module compilation is not supported yet"),
             (self.push_to_hub, "push_to_hub", "per-module Hub pushes are not supported yet; export with "
              "save_model() / `hf-omni export` and upload each module folder"),
             (str(getattr(self.hub_strategy, "value", self.hub_strategy)) != "every_save", "hub_strategy",

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from helpers import make_args, tiny_data, tiny_model
 from transformers import HfArgumentParser
 
@@ -92,6 +93,11 @@ PARSE_ERRORS = [
     (dict(hub_strategy="checkpoint"), "hub_strategy"),
     (dict(save_only_model=True), "save_only_model"),
     (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
+    (dict(torch_compile=True), "torch_compile"),
+    (dict(modules={"llm": {"fsdp_plugin": {"cpu_ram_efficient_loading": True}}}),
+     "modules.llm.fsdp_plugin.cpu_ram_efficient_loading"),
+    (dict(fsdp_plugin={"mixed_precision": "fp16"}), "fsdp_plugin.mixed_precision"),
+    (dict(modules={"llm": {"ddp_bucket_cap_mb": 0}}), "modules.llm.ddp_bucket_cap_mb"),
 ]
 
 
@@ -158,6 +164,23 @@ def test_missing_num_training_steps_names_module(tmp_path):
 def test_plugin_defaults_unknown_key(tmp_path):
     with pytest.raises(ValueError, match="^learning_rat:"):
         OmniPlugin(defaults={"learning_rat": 1e-3})
+
+
+def test_tensors_owned_by_the_composed_model_are_refused(tmp_path):
+    model = tiny_model()
+    model.query = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"Captioner owns tensors outside every module: \['query'\].*put them in a module"):
+        OmniTrainer(model=model, args=make_args(tmp_path), train_dataset=tiny_data(model))
+
+
+def test_other_peft_methods_are_refused(tmp_path):
+    from peft import IA3Config, inject_adapter_in_model
+
+    model = tiny_model()
+    inject_adapter_in_model(IA3Config(target_modules=["q_proj"], feedforward_modules=[]), model.llm)
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path), train_dataset=tiny_data(model))
+    with pytest.raises(ValueError, match=r"^modules\.llm\.lora: adapter 'default' is a IA3Config"):
+        trainer.train()
 
 
 def test_trainer_refuses_optimizers(tmp_path):

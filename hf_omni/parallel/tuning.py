@@ -46,8 +46,23 @@ def apply_activation_checkpointing(module: nn.Module, margs: ModuleArguments) ->
     module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
+def check_supported(module: nn.Module, name: str) -> None:
+    """Quantised bases (QLoRA) and PEFT methods other than LoRA are refused for now: checkpoints, exports and
+    merges of them are not proven."""
+    if getattr(module, "is_quantized", False) or getattr(module.config, "quantization_config", None):
+        raise OmniArgumentError(name, "lora", "quantised modules (QLoRA) are not supported yet")
+    configs = getattr(module, "peft_config", None) or {}
+    from peft import LoraConfig
+
+    for adapter, config in configs.items():
+        if adapter != "default" or type(config) is not LoraConfig:
+            raise OmniArgumentError(name, "lora", f"adapter {adapter!r} is a {type(config).__name__}: only one LoRA "
+                                    "adapter named 'default' is supported (no IA3, LoHa, LoKr or prompt tuning yet)")
+
+
 def apply_training_mode(module: nn.Module, margs: ModuleArguments) -> bool:
     """Freeze | LoRA, then activation checkpointing. Returns whether anything in the module still trains."""
+    check_supported(module, margs.name)
     trainable = margs.trainable
     if trainable and margs.lora:
         freeze(module)

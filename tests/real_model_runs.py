@@ -1,0 +1,89 @@
+"""Runs shared by the real-model matrix (one process) and its 2-rank part: train 4 steps with a checkpoint at
+step 2, then resume that checkpoint in a fresh model built with other initial weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from helpers import make_args
+from real_models import Batches, MultiEncoder, build, mode_overlay
+
+from hf_omni import OmniTrainer
+
+# name -> (llm, dtype of the saved module folders or None for modules built in memory, empty_init, modes)
+MATRIX = {
+    "llama_fp32": ("llama", None, False,
+                   dict(vit="full", resnet="full", bert="lora", clip="dora", siglip="frozen", projector="full",
+                        llm="lora_emb")),
+    "mixtral_fp32": ("mixtral", None, False,
+                     dict(vit="dora", resnet="lora", bert="frozen", clip="lora_emb", siglip="to_save",
+                          projector="full", llm="full")),
+    "llama_bf16": ("llama", torch.bfloat16, False,
+                   dict(vit="rslora", resnet="frozen", bert="to_save", clip="full", siglip="lora_emb",
+                        projector="full", llm="dora")),
+    "mixtral_bf16_empty_init": ("mixtral", torch.bfloat16, True,
+                                dict(vit="full", resnet="full", bert="lora", clip="dora", siglip="frozen",
+                                     projector="full", llm="full")),
+    "llama_fp32_empty_init": ("llama", torch.float32, True,
+                              dict(vit="frozen", resnet="full", bert="full", clip="lora", siglip="dora",
+                                   projector="full", llm="lora")),
+}
+ENCODER_NAMES = ["vit", "resnet", "bert", "clip", "siglip"]
+
+
+def saved_folder(root: str, llm: str, dtype: torch.dtype) -> str:
+    """The initial model written once as module folders in `dtype` (released weights, as users bring them)."""
+    folder = os.path.join(root, f"saved_{llm}_{str(dtype).split('.')[-1]}")
+    if not os.path.isdir(folder):
+        model = build(ENCODER_NAMES, llm=llm)
+        for module in model.omni_modules().values():
+            module.to(dtype)
+        model.save_pretrained(folder)
+    return folder
+
+
+def make_model(root: str, case: str, seed: int = 0):
+    llm, dtype, empty_init, _ = MATRIX[case]
+    if dtype is None:
+        model = build(ENCODER_NAMES, llm=llm, seed=seed)
+        model.siglip.to(torch.bfloat16)  # a frozen (or trained) encoder in another dtype than the rest
+        return model
+    model = MultiEncoder.from_pretrained(saved_folder(root, llm, dtype), empty_init=empty_init)
+    if seed:  # other initial weights for the resumed run (empty_init modules are filled from the checkpoint)
+        torch.manual_seed(seed)
+        for module in model.omni_modules().values():
+            for p in module.parameters():
+                if not p.is_meta:
+                    p.data.normal_(0, 0.02)
+    return model
+
+
+def make_trainer(root: str, case: str, out: str, seed: int = 0, modes: dict | None = None, **overrides):
+    modes = modes or MATRIX[case][3]
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4,
+                modules={n: mode_overlay(n, m) for n, m in modes.items()}, train_sampling_strategy="random")
+    args.update(overrides)
+    return OmniTrainer(model=make_model(root, case, seed), args=make_args(out, **args), train_dataset=Batches())
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in model.state_dict().items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[key] = value.detach().cpu().clone()
+    return out
+
+
+def straight_and_resumed(root: str, case: str, **overrides):
+    """(trainer of the uninterrupted run, its final state, the resumed run's final state)."""
+    straight = make_trainer(root, case, os.path.join(root, case, "straight"), **overrides)
+    straight.train()
+    resumed = make_trainer(root, case, os.path.join(root, case, "resumed"), seed=7, **overrides)
+    resumed.train(resume_from_checkpoint=os.path.join(root, case, "straight", "checkpoint-2"))
+    return straight, full_state(straight.model), full_state(resumed.model)
+
+
+def mismatches(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]

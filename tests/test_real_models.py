@@ -1,0 +1,67 @@
+"""The modules users bring (tests/real_models.py): Llama, Mixtral (MoE: transformers 5 merges its experts on
+load), ViT with an unused pooler, ResNet (BatchNorm buffers), BERT, CLIP and SigLIP towers; trained full, frozen,
+with LoRA, DoRA, rsLoRA, LoRA on embeddings and modules_to_save; from modules built in memory (one frozen in
+bf16 beside fp32 ones), from fp32 / bf16 folders, eagerly and with empty_init. Each case: a resumed run ends
+bitwise equal to the uninterrupted one (every parameter and buffer); every module's export, plain and merged,
+reloads with its Auto class and gives the live module's outputs."""
+
+import os
+
+import pytest
+import torch
+from real_model_runs import MATRIX, mismatches, straight_and_resumed
+from real_models import Batches, MultiEncoder
+from transformers import AutoModel, AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("real_models"))
+
+
+def module_outputs(module, name: str, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        if name == "llm":
+            return module(input_ids=batch["input_ids"]).logits.float()
+        if name == "bert":
+            return module(input_ids=batch["text_ids"]).last_hidden_state.float()
+        if name == "projector":
+            return module(torch.ones(2, 3, 16, dtype=module.dtype)).float()
+        return module(pixel_values=batch["pixel_values"].to(module.dtype)).last_hidden_state.float()
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_resume_is_bitwise_and_exports_reload(root, case):
+    straight, final, resumed = straight_and_resumed(root, case)
+    assert mismatches(final, resumed) == []
+    model = straight.model.eval()
+    modes = MATRIX[case][3]
+    if modes.get("resnet") == "full":  # BatchNorm statistics trained, and restored on resume (checked above)
+        assert final["resnet.embedder.embedder.normalization.num_batches_tracked"].item() == 4
+    batch = {k: torch.stack([Batches()[i][k] for i in range(4)]) for k in ("pixel_values", "text_ids", "input_ids")}
+    all_fp32 = all(p.dtype == torch.float32 for p in model.parameters())  # else merges round to bf16
+    for merge in (False, True):
+        out = os.path.join(root, case, f"export_merged_{merge}")
+        straight.args.merge_lora_on_export = merge
+        straight.save_model(out)
+        for name, mode in modes.items():
+            folder = os.path.join(out, name)
+            assert os.path.exists(os.path.join(folder, "adapter_config.json")) == (not merge and mode not in
+                                                                                  ("full", "frozen"))
+            loaded = (AutoModelForCausalLM if name == "llm" else AutoModel).from_pretrained(folder).eval()
+            tol = 1e-5 if not merge or next(loaded.parameters()).dtype == torch.float32 else 5e-2
+            live, got = module_outputs(getattr(model, name), name, batch), module_outputs(loaded, name, batch)
+            assert (live - got).abs().max().item() <= tol * max(1.0, live.abs().max().item()), (case, name, mode)
+        again = MultiEncoder.from_pretrained(out).eval()
+        with torch.no_grad():
+            diff = (again(**batch).logits.float() - model(**batch).logits.float()).abs().max().item()
+        assert diff <= (1e-5 if not merge or all_fp32 else 0.1), (case, merge, diff)
+
+
+def test_never_stepped_parameters_resume_without_optimizer_state(root):
+    """ViT's pooler trains (requires grad) but the forward never uses it: no optimizer state is saved for it and
+    none is restored — as in the uninterrupted run."""
+    straight, _, _ = straight_and_resumed(root, "llama_fp32")
+    state = straight.plugin.optimizer.optimizers["vit"].state
+    pooler = straight.model.vit.pooler.dense.weight
+    assert pooler.requires_grad and pooler not in state and len(state) > 0
