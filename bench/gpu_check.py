@@ -1,11 +1,13 @@
-"""CUDA / NCCL check of per-module FSDP2 with bf16 mixed precision (run it whenever a GPU is at hand).
+"""CUDA / NCCL check of per-module FSDP2 with bf16 mixed precision, and of Trainer's fp16 with one GradScaler
+shared by every module's optimizer (run it whenever a GPU is at hand).
 
     torchrun --nproc_per_node 1 bench/gpu_check.py          # a process group of world size 1: modules get wrapped
 
 The demo model trains a few steps with the LLM sharded by its own FSDP2 plugin (bf16 parameters, fp32
 reductions), the projector replicated and the vision encoder frozen; the same model and data run through a plain
 fp32 PyTorch loop on the CPU. Losses must agree within bf16 tolerance. Without CUDA it runs the same on CPU/gloo
-(say so in your note: that is not the CUDA check). Exit status 1 when the losses disagree.
+(say so in your note: that is not the CUDA check), and skips the fp16 run (fp16 is refused on CPU). Exit status 1
+when the losses disagree.
 """
 
 from __future__ import annotations
@@ -52,36 +54,55 @@ def reference_losses(model, dataset) -> list[float]:
     return losses
 
 
-def main():
-    cuda = torch.cuda.is_available()
-    model = build_model()
-    train_set, _ = load_splits(model.processors["llm"])
-    reference = reference_losses(copy.deepcopy(model), train_set)
+def train(model, train_set, cuda: bool, modules: dict, **extra):
     args = OmniTrainingArguments(
         output_dir="/tmp/hf_omni_gpu_check", max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
         lr_scheduler_type="constant", optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not cuda,
-        report_to="none", save_strategy="no", disable_tqdm=True, modules=MODULES)
+        report_to="none", save_strategy="no", disable_tqdm=True, modules=modules, **extra)
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
     start = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - start
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    if not trainer.is_world_process_zero():
-        return
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
-    device = torch.cuda.get_device_name() if cuda else "cpu (NOT the CUDA check)"
-    print(f"\nbench/gpu_check.py: {device}, backend {backend}, wrapped {trainer.plugin.wrapped}, "
-          f"llm param dtype in forward: bf16, {STEPS} steps in {seconds:.1f} s")
-    print("| step | loss (FSDP2, bf16) | loss (CPU fp32 loop) | rel. diff |")
+    return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], time.perf_counter() - start
+
+
+def report(title: str, losses: list[float], reference: list[float]) -> bool:
+    print(f"| step | loss ({title}) | loss (CPU fp32 loop) | rel. diff |")
     print("|---|---|---|---|")
     worst = 0.0
     for step, (got, ref) in enumerate(zip(losses, reference), 1):
         rel = abs(got - ref) / abs(ref)
         worst = max(worst, rel)
         print(f"| {step} | {got:.4f} | {ref:.4f} | {rel:.4f} |")
-    verdict = "PASS" if worst <= TOLERANCE and len(losses) == STEPS else "FAIL"
-    print(f"{verdict}: max relative difference {worst:.4f} (bf16 tolerance {TOLERANCE})")
-    sys.exit(0 if verdict == "PASS" else 1)
+    ok = worst <= TOLERANCE and len(losses) == STEPS
+    print(f"{'PASS' if ok else 'FAIL'} {title}: max relative difference {worst:.4f} (tolerance {TOLERANCE})\n")
+    return ok
+
+
+def main():
+    cuda = torch.cuda.is_available()
+    model = build_model()
+    train_set, _ = load_splits(model.processors["llm"])
+    reference = reference_losses(copy.deepcopy(model), train_set)
+    fp16_model = copy.deepcopy(model)
+    trainer, losses, seconds = train(model, train_set, cuda, MODULES)
+    fp16 = None
+    if cuda:  # every rank trains it; the LLM replicated here: the check is the scaler shared by the optimizers
+        fp16_modules = {n: {**{k: v for k, v in m.items() if k != "fsdp_plugin"}, "parallel": "ddp"}
+                        for n, m in MODULES.items()}
+        fp16 = train(fp16_model, train_set, cuda, fp16_modules, fp16=True)
+    if not trainer.is_world_process_zero():
+        return
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    device = torch.cuda.get_device_name() if cuda else "cpu (NOT the CUDA check; fp16 skipped)"
+    print(f"\nbench/gpu_check.py: {device}, backend {backend}, wrapped {trainer.plugin.wrapped}, "
+          f"llm param dtype in forward: bf16, {STEPS} steps in {seconds:.1f} s")
+    ok = report("FSDP2, bf16", losses, reference)
+    if fp16 is not None:
+        scaler = fp16[0].plugin.scaler
+        print(f"fp16: one GradScaler shared by {sorted(fp16[0].plugin.optimizer.optimizers)}: {scaler is not None}, "
+              f"final scale {scaler.get_scale() if scaler else None}")
+        ok = report("Trainer fp16, shared GradScaler", fp16[1], reference) and scaler is not None and ok
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 from .errors import OmniArgumentError
@@ -71,7 +72,8 @@ class OmniTrainingArguments(TrainingArguments):
              "with `fsdp_plugin` per module (modules.<name>.parallel / modules.<name>.fsdp_plugin)"),
             (self.parallelism_config is not None, "parallelism_config", "one global device mesh for the whole model; "
              "set `parallel` (and `fsdp_plugin`) per module under modules.<name>"),
-            (self.fp16, "fp16", "per-module optimizers share no GradScaler; use bf16"),
+            (self.fp16 and (self.use_cpu or not torch.cuda.is_available()), "fp16", "fp16 training needs CUDA (its "
+             "GradScaler); on CPU use bf16"),
             (self.torch_compile, "torch_compile", "Trainer would compile the composed model as a whole, around "
              "the per-module wrapping; per-module compilation is not supported yet"),
             (self.push_to_hub, "push_to_hub", "per-module Hub pushes are not supported yet; export with "

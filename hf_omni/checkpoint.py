@@ -147,9 +147,11 @@ class ModuleCheckpointer:
                              f"{self.model.module_names}")
         return marker
 
-    def load(self, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset()) -> None:
+    def load(self, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset(),
+             weights_only: bool = False) -> None:
         """Every rank: each module's weights (its own rows of a sharded one; frozen modules from their recorded
-        source), optimizer shards (resharded by DCP at another world size) and scheduler."""
+        source), then — unless `weights_only` (Trainer's best model at the end) — optimizer shards (resharded by
+        DCP at another world size) and scheduler."""
         self.check(directory)
         config = OmniConfig.from_pretrained(directory)
         folders = {name: module_folder(directory, config, name) for name in self.model.module_names}
@@ -164,8 +166,11 @@ class ModuleCheckpointer:
             entry = self.model.config.module_entry(name)
             entry["source"] = entry.get("source") or config.module_entry(name).get("source")
         for name in self.trainable:
-            files.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
-                                    scheduler.schedulers[name], folders[name], self._unmapped_tensors(name))
+            if weights_only:
+                files.load_module_tensors(folders[name], self._unmapped_tensors(name))
+            else:
+                files.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
+                                        scheduler.schedulers[name], folders[name], self._unmapped_tensors(name))
 
     def _read_weights(self, name: str, folder: str, dry_run: bool) -> None:
         """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`); a

@@ -153,6 +153,14 @@ def save_module_state(module, optimizer, scheduler, folder: str, tensors: dict, 
     return None
 
 
+def load_module_tensors(folder: str, tensors: dict) -> None:
+    """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
+    import torch.distributed.checkpoint as dcp
+
+    if tensors:
+        dcp.load({"tensors": tensors}, checkpoint_id=os.path.join(folder, STATE))
+
+
 def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) -> None:
     """Read back `save_module_state`: `tensors` in place, the optimizer (resharded by DCP at another world size;
     parameters that had no state when saved — never stepped, e.g. unused by the forward — get none), scheduler."""

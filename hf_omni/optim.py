@@ -51,7 +51,7 @@ def build_module_scheduler(optimizer, margs: ModuleArguments, num_training_steps
 
 
 def build_optimizers(model: nn.Module, trainable: list[str], module_args: dict[str, ModuleArguments],
-                     base_args: TrainingArguments, num_training_steps: int | None):
+                     base_args: TrainingArguments, num_training_steps: int | None, scaler=None):
     """One optimizer and one scheduler per trainable module, behind the composites."""
     optimizers, schedulers = {}, {}
     for name in trainable:
@@ -62,7 +62,7 @@ def build_optimizers(model: nn.Module, trainable: list[str], module_args: dict[s
         except ValueError as err:
             raise OmniArgumentError(name, "lr_scheduler_type", f"{err} (pass num_training_steps to prepare)") from None
     params = {name: [p for p in getattr(model, name).parameters() if p.requires_grad] for name in trainable}
-    return ModuleOptimizers(optimizers, params), ModuleSchedulers(schedulers)
+    return ModuleOptimizers(optimizers, params, scaler), ModuleSchedulers(schedulers)
 
 
 def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -84,6 +84,7 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
     module is clipped to it by the combined norm; else each module to its own limit (0: none)."""
     from torch.nn.utils import clip_grads_with_norm_
 
+    optimizer.unscale_()  # fp16: true gradients before norms and clipping
     grads = {name: [p for p in params if p.grad is not None] for name, params in optimizer.params.items()}
     norms = {name: module_grad_norm(params, optimizer.params[name][0].device) for name, params in grads.items()}
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
@@ -96,11 +97,22 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
 
 class ModuleOptimizers:
     """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`; `params[module]`: the
-    parameters it trains, in module order (what clipping reads)."""
+    parameters it trains, in module order (what clipping reads). With fp16 (`scaler`: the Accelerator's one
+    GradScaler, shared by every module): `unscale_()` each optimizer once before clipping, step each through the
+    scaler (all skip together on an inf / nan anywhere), then one `update()`."""
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: dict[str, list[nn.Parameter]]):
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: dict[str, list[nn.Parameter]],
+                 scaler=None):
         self.optimizers = dict(optimizers)
         self.params = dict(params)
+        self.scaler = scaler
+        self.unscaled = False
+
+    def unscale_(self) -> None:
+        if self.scaler is not None and not self.unscaled:
+            for opt in self.optimizers.values():
+                self.scaler.unscale_(opt)
+            self.unscaled = True
 
     @property
     def param_groups(self) -> list[dict]:
@@ -113,8 +125,19 @@ class ModuleOptimizers:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ModuleOptimizers.step does not take a closure")
+        if self.scaler is None:
+            for opt in self.optimizers.values():
+                opt.step()
+            return
+        self.unscale_()
+        # one scaler for the whole model: an inf / nan in any module's gradients skips every module's step
+        finite = all(torch.isfinite(module_grad_norm([p for p in ps if p.grad is not None], ps[0].device))
+                     for ps in self.params.values())
         for opt in self.optimizers.values():
-            opt.step()
+            if finite:
+                self.scaler.step(opt)
+        self.scaler.update()
+        self.unscaled = False
 
     def zero_grad(self, set_to_none: bool = True):
         for opt in self.optimizers.values():

@@ -62,6 +62,7 @@ class OmniPlugin:
         self.model: OmniModel | None = None
         self.wrapping = WrappedModules()
         self.checkpointer: ModuleCheckpointer | None = None
+        self.scaler = None
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -112,6 +113,7 @@ class OmniPlugin:
         model.prepared = self.wrapping
         self.model = model
         self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async)
+        self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
         self.build_optimizers(num_training_steps)
         model.train()
         return model, self.optimizer, self.scheduler
@@ -119,7 +121,7 @@ class OmniPlugin:
     def build_optimizers(self, num_training_steps: int | None) -> None:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.trainable, self.module_args, self.args,
-                                                          num_training_steps)
+                                                          num_training_steps, self.scaler)
 
     # -- the training step ----------------------------------------------------------------------
     def no_sync(self):
@@ -160,7 +162,8 @@ class OmniPlugin:
         weights. Returns them (`load_state` then skips their weights)."""
         return resume_weights_folders(model, directory)
 
-    def load_state(self, directory: str, weights_loaded: set[str] = frozenset()) -> None:
+    def load_state(self, directory: str, weights_loaded: set[str] = frozenset(), weights_only: bool = False) -> None:
         """Every rank: read back what `save_state` wrote (weights, optimizer shards resharded by DCP, schedulers);
-        frozen modules from their recorded source."""
-        self.checkpointer.load(directory, self.optimizer, self.scheduler, weights_loaded)
+        frozen modules from their recorded source. `weights_only`: the modules' tensors alone."""
+        self.wait_for_save()
+        self.checkpointer.load(directory, self.optimizer, self.scheduler, weights_loaded, weights_only)

@@ -11,7 +11,8 @@ hooks are overridden (and checked against the installed Trainer by `check_traine
 - `train` / `_load_from_checkpoint` / `_save_checkpoint` / `_load_rng_state`: per-module checkpoints (see
   `hf_omni.checkpoint`): `resume_from_checkpoint=True` takes the newest *complete* checkpoint, the marker is
   written after Trainer's own state, rotation only counts complete checkpoints, and a rank without an RNG file
-  of its own (resuming at another world size) gets a state derived from the saved ones.
+  of its own (resuming at another world size) gets a state derived from the saved ones;
+- `_load_best_model`: `load_best_model_at_end` reads every module's weights back from the best checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_rng_state": ("self", "checkpoint"),
+    "_load_best_model": ("self",),
 }
 # Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
 TRAINER_CALLS: dict[str, tuple[str, ...]] = {
@@ -74,8 +76,6 @@ class OmniTrainer(Trainer):
                              "`modules:` (learning_rate, optim, lr_scheduler_type, ...)")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init=: pass the composed model itself")
-        if args.load_best_model_at_end:
-            raise ValueError("load_best_model_at_end: not supported by OmniTrainer yet")
         self.plugin = plugin if plugin is not None else OmniPlugin.from_args(args)
         self.plugin.resolve(model)  # every argument error before any compute
         super().__init__(model=model, args=args, **kwargs)
@@ -125,6 +125,10 @@ class OmniTrainer(Trainer):
             self.plugin.wait_for_save()  # the marker, after Trainer's own state
         if self.args.should_save:
             checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _load_best_model(self):
+        """`load_best_model_at_end`: every module's weights from the best checkpoint (after any save in flight)."""
+        self.plugin.load_state(self.state.best_model_checkpoint, weights_only=True)
 
     def _load_rng_state(self, checkpoint):
         """Each rank restores its own RNG file, also one saved at another world size (see `rng.py`)."""

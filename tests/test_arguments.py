@@ -94,6 +94,7 @@ PARSE_ERRORS = [
     (dict(save_only_model=True), "save_only_model"),
     (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
     (dict(torch_compile=True), "torch_compile"),
+    (dict(fp16=True, use_cpu=True), "fp16"),
     (dict(modules={"llm": {"fsdp_plugin": {"cpu_ram_efficient_loading": True}}}),
      "modules.llm.fsdp_plugin.cpu_ram_efficient_loading"),
     (dict(fsdp_plugin={"mixed_precision": "fp16"}), "fsdp_plugin.mixed_precision"),

@@ -22,7 +22,8 @@ def run(tmp_path, steps=10, resume=None, model=None, **kw):
     model = model or tiny_model()
     args = make_args(tmp_path, max_steps=steps, save_strategy="steps", save_steps=5, modules=MODULES,
                      train_sampling_strategy="random", **kw)
-    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48))
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48),
+                          eval_dataset=tiny_data(model, 16) if kw.get("eval_strategy") else None)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
 
@@ -216,3 +217,16 @@ def test_resave_removes_the_old_marker_first(tmp_path):
     finally:
         checkpoint.write_marker = original
     assert seen == {"before": False} and (tmp_path / "checkpoint-5" / MARKER).exists()
+
+
+def test_load_best_model_at_end_restores_every_module(tmp_path):
+    """The best checkpoint (here the one with the highest eval loss, so not the last) is read back per module."""
+    trainer, model = run(tmp_path, steps=10, eval_strategy="steps", eval_steps=5, load_best_model_at_end=True,
+                         metric_for_best_model="eval_loss", greater_is_better=True,
+                         per_device_eval_batch_size=8)
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-5"), best
+    expected = Captioner.from_pretrained(best).state_dict()
+    for key, value in model.state_dict().items():
+        if not key.startswith("vision.pooler."):
+            assert torch.equal(value, expected[key]), key

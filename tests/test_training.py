@@ -201,3 +201,41 @@ def test_activation_checkpointing_only_where_asked(tmp_path):
     assert model.llm.is_activation_checkpointing and not model.vision.is_activation_checkpointing
     ref_losses = reference_train(reference, data, steps=4, batch_size=8, settings=REFERENCE)
     assert step_losses(trainer) == pytest.approx(ref_losses, abs=1e-6)
+
+
+def test_one_grad_scaler_shared_by_every_module():
+    """fp16: each module's optimizer is unscaled once before clipping, steps through the one scaler, one update;
+    an inf in any module's gradients skips every module's step (as one optimizer would)."""
+    import copy
+
+    from hf_omni.optim import ModuleOptimizers, clip_grad_norms
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opts = ModuleOptimizers({"a": torch.optim.SGD(a.parameters(), lr=0.1), "b": torch.optim.SGD(b.parameters(), lr=0.1)},
+                            {"a": list(a.parameters()), "b": list(b.parameters())}, scaler)
+    refs = [torch.optim.SGD(ref_a.parameters(), lr=0.1), torch.optim.SGD(ref_b.parameters(), lr=0.1)]
+    x = torch.randn(3, 4)
+    scaler.scale(b(a(x)).pow(2).sum()).backward()
+    norms, _ = clip_grad_norms(opts, {"a": 0.5, "b": 0.5}, None)
+    ref_b(ref_a(x)).pow(2).sum().backward()
+    ref_norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (ref_a, ref_b)]
+    assert [float(norms["a"]), float(norms["b"])] == pytest.approx([float(n) for n in ref_norms], rel=1e-6)
+    assert max(ref_norms) > 0.5  # clipping was active
+    opts.step()
+    for opt in refs:
+        opt.step()
+    for mine, ref in ((a, ref_a), (b, ref_b)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            assert torch.allclose(p, q, atol=1e-6)
+    opts.zero_grad()
+    scaler.scale(b(a(x)).pow(2).sum()).backward()
+    a.weight.grad[0, 0] = float("inf")  # only module a overflows
+    before = [p.detach().clone() for p in list(a.parameters()) + list(b.parameters())]
+    clip_grad_norms(opts, {"a": 0.5, "b": 0.5}, None)
+    opts.step()
+    after = list(a.parameters()) + list(b.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(before, after))  # every module skipped
+    assert scaler.get_scale() == 512.0  # one update, after the skip
