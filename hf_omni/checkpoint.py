@@ -179,6 +179,10 @@ class ModuleCheckpointer:
         module, unmapped = getattr(self.model, name), self.unmapped(name)
         if name in self.trainable:
             read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)
+            kept = set(files.state_keys(folder)) if dry_run and unmapped else set()
+            lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
+            if lost:
+                raise ValueError(f"module {name!r}: {folder}/{files.STATE} lacks {len(lost)} tensors {lost[:5]}")
             return
         missing = read_into(module, folder, module_name=name, dry_run=dry_run)
         lost = [n for n in missing if n not in unmapped]

@@ -153,6 +153,14 @@ def save_module_state(module, optimizer, scheduler, folder: str, tensors: dict, 
     return None
 
 
+def state_keys(folder: str) -> list[str]:
+    """The sorted keys a module's `state/` holds (DCP's flattened names: `optimizer.state.<param>.<name>`,
+    `tensors.<name>`)."""
+    import torch.distributed.checkpoint as dcp
+
+    return sorted(dcp.FileSystemReader(os.path.join(folder, STATE)).read_metadata().state_dict_metadata)
+
+
 def load_module_tensors(folder: str, tensors: dict) -> None:
     """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
     import torch.distributed.checkpoint as dcp
@@ -172,7 +180,7 @@ def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) 
     )
 
     state_dir = os.path.join(folder, STATE)
-    saved = sorted(dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata)
+    saved = state_keys(folder)
     optim_state = get_optimizer_state_dict(module, optimizer)
 
     def has_saved_state(fqn: str) -> bool:

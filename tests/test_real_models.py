@@ -65,3 +65,24 @@ def test_never_stepped_parameters_resume_without_optimizer_state(root):
     state = straight.plugin.optimizer.optimizers["vit"].state
     pooler = straight.model.vit.pooler.dense.weight
     assert pooler.requires_grad and pooler not in state and len(state) > 0
+
+
+def test_a_tensor_the_checkpoint_cannot_restore_is_refused_before_loading(root, monkeypatch):
+    """Mixtral's experts live in the checkpoint's state/ (the HF files hold them split): a state/ without them is
+    refused, naming module and tensor, before any module is touched."""
+    from real_model_runs import make_trainer
+
+    from hf_omni import checkpoint_files
+
+    ckpt = os.path.join(root, "mixtral_fp32", "straight", "checkpoint-2")
+    if not os.path.isdir(ckpt):
+        make_trainer(root, "mixtral_fp32", os.path.join(root, "mixtral_fp32", "straight")).train()
+    keys = checkpoint_files.state_keys
+    monkeypatch.setattr(checkpoint_files, "state_keys",
+                        lambda folder: [k for k in keys(folder) if not k.startswith("tensors.")])
+    trainer = make_trainer(root, "mixtral_fp32", os.path.join(root, "refused"), seed=3)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"module 'llm': .*state lacks 2 tensors \['model\.layers\.0\.mlp\.experts"):
+        trainer.train(resume_from_checkpoint=ckpt)
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.split(".")[0] in ("projector", "llm", "bert"))
