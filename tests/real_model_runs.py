@@ -28,7 +28,12 @@ MATRIX = {
     "llama_fp32_empty_init": ("llama", torch.float32, True,
                               dict(vit="frozen", resnet="full", bert="full", clip="lora", siglip="dora",
                                    projector="full", llm="lora")),
+    # bf16 files loaded in fp32 (`from_pretrained(..., dtype=torch.float32)`): frozen ones re-read from them
+    "bf16_files_in_fp32": ("llama", torch.bfloat16, False,
+                           dict(vit="frozen", resnet="frozen", bert="lora", clip="frozen", siglip="full",
+                                projector="full", llm="full")),
 }
+LOAD_DTYPE = {"bf16_files_in_fp32": torch.float32}
 ENCODER_NAMES = ["vit", "resnet", "bert", "clip", "siglip"]
 
 
@@ -49,7 +54,9 @@ def make_model(root: str, case: str, seed: int = 0):
         model = build(ENCODER_NAMES, llm=llm, seed=seed)
         model.siglip.to(torch.bfloat16)  # a frozen (or trained) encoder in another dtype than the rest
         return model
-    model = MultiEncoder.from_pretrained(saved_folder(root, llm, dtype), empty_init=empty_init)
+    extra = {"dtype": LOAD_DTYPE[case]} if case in LOAD_DTYPE else {}
+    model = MultiEncoder.from_pretrained(saved_folder(root, llm, dtype), empty_init=empty_init, **extra)
+    assert all(p.dtype == LOAD_DTYPE.get(case, dtype) for p in model.parameters() if p.is_floating_point())
     if seed:  # other initial weights for the resumed run (empty_init modules are filled from the checkpoint)
         torch.manual_seed(seed)
         for module in model.omni_modules().values():

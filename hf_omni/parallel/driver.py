@@ -93,7 +93,8 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
             for name, margs in module_args.items():
                 _wrap(result, getattr(model, name), name, plan[name], margs, device, lazy_init=name not in shard_later)
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
-        fill_module(getattr(model, name), folder, device, name)
+        offload = module_args[name].fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU
+        fill_module(getattr(model, name), folder, torch.device("cpu") if offload else device, name)
         fsdp_lazy_init_root(getattr(model, name))
     model.pending_weights = {}
     return result
