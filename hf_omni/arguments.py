@@ -80,8 +80,6 @@ class OmniTrainingArguments(TrainingArguments):
              "save_model() / `hf-omni export` and upload each module folder"),
             (str(getattr(self.hub_strategy, "value", self.hub_strategy)) != "every_save", "hub_strategy",
              "per-module Hub pushes are not supported yet (push_to_hub is refused too)"),
-            (self.save_only_model, "save_only_model", "checkpoints always hold the per-module optimizer state; "
-             "use save_model() for weights only"),
         ]
         for bad, name, message in refused:
             if bad:

@@ -60,9 +60,11 @@ class ModuleCheckpointer:
         return {n: tensors[n].detach() for n in sorted(self.unmapped(name))}
 
     # -- save -------------------------------------------------------------------------------------
-    def save(self, directory: str, optimizer, scheduler, step: int | None = None, write_marker: bool = True) -> None:
+    def save(self, directory: str, optimizer, scheduler, step: int | None = None, write_marker: bool = True,
+             weights_only: bool = False) -> None:
         """Every rank: module folders, optimizer shards and schedulers, the root `config.json`; the marker after
-        every rank finished every file (with `save_async`, at the next save or `wait()`)."""
+        every rank finished every file (with `save_async`, at the next save or `wait()`). `weights_only`
+        (Trainer's `save_only_model`): module folders without `state/`, marked not resumable."""
         self.wait()
         if is_main():
             os.makedirs(directory, exist_ok=True)
@@ -81,15 +83,17 @@ class ModuleCheckpointer:
                 written = save_module(module, folder, state, self.model.processors.get(name),
                                       executor=self._writer() if self.save_async else None)
                 futures += [written] if written is not None else []
+            if weights_only:
+                continue
             stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
             future = files.save_module_state(module, optimizer.optimizers[name], scheduler.schedulers[name],
                                              folder, self._unmapped_tensors(name), stager=stager)
             futures += [future] if future is not None else []
         if is_main():
             self.model.write_config(directory)
-        self._pending = (directory, step, futures)
+        self._pending = (directory, step, futures, not weights_only)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
-            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, []))[2]])
+            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
             self._exit_hook = True
         if write_marker and not self.save_async:
             self.wait()
@@ -98,13 +102,13 @@ class ModuleCheckpointer:
         """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
         if self._pending is None:
             return
-        directory, step, futures = self._pending
+        directory, step, futures, resumable = self._pending
         self._pending = None
         for future in futures:
             future.result()
         barrier()
         if is_main():
-            files.write_marker(directory, files.marker_info(directory, step, self.trainable))
+            files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable))
         barrier()
 
     def _writer(self):
@@ -137,6 +141,9 @@ class ModuleCheckpointer:
         """Every check of a checkpoint against this model, before anything is loaded (names the module and
         parameter that differ)."""
         marker = files.check_complete(directory)
+        if marker.get("resumable") is False:
+            raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
+                             "optimizer state; it cannot be resumed (load it with from_pretrained)")
         saved, ours = set(marker["modules"]), set(self.trainable)
         if saved != ours:
             raise ValueError(f"checkpoint {directory} holds trainable modules {sorted(saved)}, this model trains "

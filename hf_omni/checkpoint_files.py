@@ -200,6 +200,7 @@ def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) 
     scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))
 
 
-def marker_info(directory: str, step: int | None, modules: list[str]) -> dict:
+def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True) -> dict:
     files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
-    return {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files}
+    return {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files,
+            "resumable": resumable}

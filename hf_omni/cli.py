@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .checkpoint_files import STATE, check_complete
+from .checkpoint_files import check_complete
 from .config import OmniConfig, module_folder
 from .module_io import copy_module_folder
 
@@ -20,7 +20,7 @@ def export(checkpoint: str, out: str) -> None:
     folders = {name: module_folder(checkpoint, config, name) for name in config.module_names}  # all, before writing
     os.makedirs(out, exist_ok=True)
     for name, folder in folders.items():
-        copy_module_folder(folder, os.path.join(out, config.module_entry(name)["subfolder"]), skip=(STATE,))
+        copy_module_folder(folder, os.path.join(out, config.module_entry(name)["subfolder"]))
     config.save_pretrained(out)
 
 

@@ -197,8 +197,21 @@ def build_empty(module_cls, folder: str) -> nn.Module:
     return module
 
 
-def copy_module_folder(folder: str, out: str, skip: tuple[str, ...] = ()) -> None:
-    """Copy a module's HF folder to `out`, leaving out the names in `skip` (a checkpoint's `state/`)."""
+MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                "adapter_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
+                "merges.txt", "*.model", "chat_template*", "preprocessor_config.json", "*processor_config.json",
+                "feature_extractor_config.json", "video_preprocessor_config.json")
+
+
+def copy_module_folder(folder: str, out: str) -> list[str]:
+    """Copy a module's HF files (config, weights, adapter, processor — the names in `MODULE_FILES`, regular files
+    only) from `folder` to `out`; nothing else of the folder (a checkpoint's `state/`, links, stray files)."""
+    import fnmatch
     import shutil
 
-    shutil.copytree(folder, out, ignore=shutil.ignore_patterns(*skip))
+    names = sorted(n for n in os.listdir(folder) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
+                   and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        shutil.copy2(os.path.join(folder, name), os.path.join(out, name))
+    return names

@@ -145,12 +145,14 @@ class OmniPlugin:
         return logs
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
-    def save_state(self, directory: str, step: int | None = None, write_marker: bool = True) -> None:
+    def save_state(self, directory: str, step: int | None = None, write_marker: bool = True,
+                   weights_only: bool = False) -> None:
         """Every rank: module folders (HF files + `state/` with DCP optimizer shards and the scheduler), the root
         `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
         With `save_async`, files are written in the background and the marker waits for the next save or
         `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
-        self.checkpointer.save(directory, self.optimizer, self.scheduler, step=step, write_marker=write_marker)
+        self.checkpointer.save(directory, self.optimizer, self.scheduler, step=step, write_marker=write_marker,
+                               weights_only=weights_only)
 
     def wait_for_save(self) -> None:
         """Finish the save in flight (its files on every rank, then its marker)."""

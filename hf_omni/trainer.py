@@ -106,8 +106,10 @@ class OmniTrainer(Trainer):
         self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self.plugin.save_state(output_dir, step=self.state.global_step, write_marker=False)
-        self._save_rng_state(output_dir)
+        self.plugin.save_state(output_dir, step=self.state.global_step, write_marker=False,
+                               weights_only=self.args.save_only_model)
+        if not self.args.save_only_model:
+            self._save_rng_state(output_dir)
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):

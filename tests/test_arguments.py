@@ -91,7 +91,6 @@ PARSE_ERRORS = [
     (dict(deepspeed={"zero_optimization": {"stage": 3}}), "deepspeed"),
     (dict(push_to_hub=True), "push_to_hub"),
     (dict(hub_strategy="checkpoint"), "hub_strategy"),
-    (dict(save_only_model=True), "save_only_model"),
     (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
     (dict(torch_compile=True), "torch_compile"),
     (dict(fp16=True, use_cpu=True), "fp16"),

@@ -230,3 +230,18 @@ def test_load_best_model_at_end_restores_every_module(tmp_path):
     for key, value in model.state_dict().items():
         if not key.startswith("vision.pooler."):
             assert torch.equal(value, expected[key]), key
+
+
+def test_save_only_model_writes_module_folders_without_state_and_is_not_resumable(tmp_path):
+    trainer, model = run(tmp_path, save_only_model=True)
+    ckpt = tmp_path / "checkpoint-10"
+    marker = json.loads((ckpt / MARKER).read_text())
+    assert marker["resumable"] is False and not (ckpt / "rng_state.pth").exists()
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["llm", "projector"]
+    assert not (ckpt / "llm" / "state").exists() and not (ckpt / "projector" / "state").exists()
+    loaded = Captioner.from_pretrained(ckpt).state_dict()  # the weights, loadable as is
+    for key, value in model.state_dict().items():
+        if not key.startswith("vision.pooler."):
+            assert torch.equal(value, loaded[key]), key
+    with pytest.raises(ValueError, match="saved with save_only_model.*cannot be resumed"):
+        run(tmp_path, resume=str(ckpt))
