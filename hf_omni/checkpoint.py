@@ -17,7 +17,7 @@ import os
 
 from . import checkpoint_files as files
 from .config import OmniConfig, module_folder
-from .dist import barrier, is_main
+from .dist import agreed, checkpoint_group, is_main
 from .module_io import save_module
 from .parallel import full_state_dict
 from .weights import file_layout, module_tensors, read_into, read_through_transformers
@@ -46,6 +46,7 @@ class ModuleCheckpointer:
         self._stagers: dict = {}  # module -> DCP stager reused by async saves
         self._exit_hook = False
         self._unmapped: dict[str, frozenset[str]] = {}
+        self.group = checkpoint_group()  # every step one rank does alone ends in an agreement on this group
 
     def unmapped(self, name: str) -> frozenset[str]:
         """Tensors of module `name` its HF files do not hold as is: a checkpoint keeps them in `state/`."""
@@ -66,31 +67,37 @@ class ModuleCheckpointer:
         every rank finished every file (with `save_async`, at the next save or `wait()`). `weights_only`
         (Trainer's `save_only_model`): module folders without `state/`, marked not resumable."""
         self.wait()
-        if is_main():
-            os.makedirs(directory, exist_ok=True)
-            stale = os.path.join(directory, files.MARKER)
-            if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
-                os.remove(stale)
-                files.fsync_dir(directory)
-        barrier()
+        with agreed(f"preparing {directory}", self.group):
+            if is_main():
+                os.makedirs(directory, exist_ok=True)
+                stale = os.path.join(directory, files.MARKER)
+                if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
+                    os.remove(stale)
+                    files.fsync_dir(directory)
         self.write_frozen_sources()
         futures = []
         for name in self.trainable:
             module = getattr(self.model, name)
             folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
             state = full_state_dict(module)
-            if is_main():
-                written = save_module(module, folder, state, self.model.processors.get(name),
-                                      executor=self._writer() if self.save_async else None)
-                futures += [written] if written is not None else []
+            with agreed(f"module {name!r}: writing {folder}", self.group):
+                if is_main():
+                    written = save_module(module, folder, state, self.model.processors.get(name),
+                                          executor=self._writer() if self.save_async else None)
+                    futures += [written] if written is not None else []
             if weights_only:
                 continue
             stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
-            future = files.save_module_state(module, optimizer.optimizers[name], scheduler.schedulers[name],
-                                             folder, self._unmapped_tensors(name), stager=stager)
+            future = files.save_module_state(module, optimizer.optimizers[name], folder,
+                                             self._unmapped_tensors(name), stager=stager)
             futures += [future] if future is not None else []
-        if is_main():
-            self.model.write_config(directory)
+            with agreed(f"module {name!r}: writing {os.path.join(folder, files.STATE, files.SCHEDULER)}",
+                        self.group):
+                if is_main():
+                    files.save_scheduler(scheduler.schedulers[name], folder)
+        with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):
+            if is_main():
+                self.model.write_config(directory)
         self._pending = (directory, step, futures, not weights_only)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
@@ -104,12 +111,12 @@ class ModuleCheckpointer:
             return
         directory, step, futures, resumable = self._pending
         self._pending = None
-        for future in futures:
-            future.result()
-        barrier()
-        if is_main():
-            files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable))
-        barrier()
+        with agreed(f"writing checkpoint {directory}", self.group):
+            for future in futures:
+                future.result()
+        with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
+            if is_main():
+                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable))
 
     def _writer(self):
         """The background thread that writes module files during an async save."""
@@ -132,8 +139,9 @@ class ModuleCheckpointer:
             folder = os.path.abspath(os.path.join(self.output_dir, "frozen", name))
             module = getattr(self.model, name)
             state = full_state_dict(module)
-            if is_main():
-                save_module(module, folder, state, self.model.processors.get(name))
+            with agreed(f"module {name!r}: writing {folder}", self.group):
+                if is_main():
+                    save_module(module, folder, state, self.model.processors.get(name))
             entry["source"] = folder
 
     # -- load -------------------------------------------------------------------------------------
@@ -159,16 +167,18 @@ class ModuleCheckpointer:
         """Every rank: each module's weights (its own rows of a sharded one; frozen modules from their recorded
         source), then — unless `weights_only` (Trainer's best model at the end) — optimizer shards (resharded by
         DCP at another world size) and scheduler."""
-        self.check(directory)
-        config = OmniConfig.from_pretrained(directory)
-        folders = {name: module_folder(directory, config, name) for name in self.model.module_names}
-        for name in self.trainable:
-            if folders[name] != os.path.join(directory, config.module_entry(name)["subfolder"]):
-                raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
+        with agreed(f"checking checkpoint {directory}", self.group):
+            self.check(directory)
+            config = OmniConfig.from_pretrained(directory)
+            folders = {name: module_folder(directory, config, name) for name in self.model.module_names}
+            for name in self.trainable:
+                if folders[name] != os.path.join(directory, config.module_entry(name)["subfolder"]):
+                    raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
         todo = {name: folder for name, folder in folders.items() if name not in weights_loaded}
         for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
             for name, folder in todo.items():
-                self._read_weights(name, folder, dry_run)
+                with agreed(f"module {name!r}: reading {folder}", self.group):
+                    self._read_weights(name, folder, dry_run)
         for name in self.model.module_names:
             entry = self.model.config.module_entry(name)
             entry["source"] = entry.get("source") or config.module_entry(name).get("source")

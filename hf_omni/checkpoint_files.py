@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from .dist import is_main, world_size
+from .dist import world_size
 
 MARKER = "hf_omni_checkpoint.json"
 STATE = "state"
@@ -136,17 +136,22 @@ def make_stager():
                                         use_non_blocking_copy=gpu))
 
 
-def save_module_state(module, optimizer, scheduler, folder: str, tensors: dict, stager=None):
+def save_scheduler(scheduler, folder: str) -> None:
+    """The module's scheduler state in `state/` (rank 0)."""
+    os.makedirs(os.path.join(folder, STATE), exist_ok=True)
+    torch.save(scheduler.state_dict(), os.path.join(folder, STATE, SCHEDULER))
+
+
+def save_module_state(module, optimizer, folder: str, tensors: dict, stager=None):
     """`state/`: the optimizer state and the module `tensors` its HF files cannot serve as is, through DCP (every
-    rank its own shards); the scheduler on rank 0. With a `stager` the save is asynchronous: returns DCP's future."""
+    rank its own shards; DCP itself raises on every rank when one fails). With a `stager` the save is asynchronous:
+    returns DCP's future."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
     state = {"optimizer": get_optimizer_state_dict(module, optimizer), "tensors": tensors}
-    if is_main():
-        torch.save(scheduler.state_dict(), os.path.join(state_dir, SCHEDULER))
     if stager is not None:
         return dcp.async_save(state, checkpoint_id=state_dir, async_stager=stager)
     dcp.save(state, checkpoint_id=state_dir)

@@ -1,9 +1,12 @@
-"""The one place that asks torch.distributed about the process group: rank, world size, barrier.
+"""The one place that asks torch.distributed about the process group: rank, world size, barrier, and the
+agreement on success after a step some ranks did on their own.
 
 No process group (plain `python`, or `accelerate launch` with one process) means rank 0 of a world of 1.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch.distributed as dist
 
@@ -28,3 +31,40 @@ def is_main() -> bool:
 def barrier() -> None:
     if has_process_group():
         dist.barrier()
+
+
+class RankFailure(RuntimeError):
+    """A step that some ranks did on their own failed: every rank raises this, naming the rank and the step."""
+
+
+def checkpoint_group():
+    """A gloo group for checkpoint agreement (CPU objects, whatever backend training uses). Every rank must call
+    this, in the same order; None without a process group."""
+    return dist.new_group(backend="gloo") if has_process_group() else None
+
+
+def share_failure(error: BaseException | None, what: str, group) -> None:
+    """After `what`, which ranks did on their own: all learn whether any failed, and all raise the same
+    `RankFailure` naming the first rank that did (instead of some ranks waiting in the next collective)."""
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    everyone = [message]
+    if has_process_group():
+        everyone = [None] * world_size()
+        dist.all_gather_object(everyone, message, group=group)
+    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    if failed:
+        failed_rank, failed_message = failed[0]
+        raise RankFailure(f"{what} failed on rank {failed_rank}: {failed_message}") from error
+
+
+@contextlib.contextmanager
+def agreed(what: str, group):
+    """Run a block that ranks do on their own, then agree on its success (`share_failure`). Without a process
+    group the block's own error is raised as it is."""
+    try:
+        yield
+    except Exception as err:  # shared with every rank, which all raise
+        if has_process_group():
+            share_failure(err, what, group)
+        raise
+    share_failure(None, what, group)

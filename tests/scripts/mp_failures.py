@@ -1,0 +1,60 @@
+"""A rank that fails alone, at 2 ranks: `write` — rank 0 cannot write the step-4 checkpoint's module files (a full
+disk, injected); `read` — rank 1 cannot read the checkpoint it resumes from. Each rank writes the error it raised
+to OUT_DIR/rank<r>.txt and exits 1. Runs under `accelerate launch` or as plain processes (RANK, WORLD_SIZE, ...).
+
+Usage: mp_failures.py MODE OUT_DIR"""
+
+import errno
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checkpoint_scenario import make_trainer  # noqa: E402
+
+import hf_omni.module_io  # noqa: E402
+import hf_omni.checkpoint  # noqa: E402
+
+
+def fail_writing_on_rank0_at_step4():
+    original = hf_omni.module_io.write_module_files
+
+    def write_module_files(module, folder, *args):
+        if "checkpoint-4" in folder and os.environ.get("RANK", "0") == "0":
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(folder, "model.safetensors"))
+        return original(module, folder, *args)
+
+    hf_omni.module_io.write_module_files = write_module_files
+
+
+def fail_reading_on_rank1():
+    original = hf_omni.checkpoint.read_into
+
+    def read_into(module, folder, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            raise ValueError(f"{folder}/model.safetensors: truncated (injected on rank 1)")
+        return original(module, folder, *args, **kwargs)
+
+    hf_omni.checkpoint.read_into = read_into
+
+
+def main(mode: str, out_dir: str):
+    rank = os.environ.get("RANK", "0")
+    try:
+        if mode == "write":
+            fail_writing_on_rank0_at_step4()
+            make_trainer(os.path.join(out_dir, "run"), max_steps=6, save_steps=2, save_total_limit=None).train()
+        else:
+            fail_reading_on_rank1()
+            make_trainer(os.path.join(out_dir, "run"), max_steps=6, save_steps=2).train(
+                resume_from_checkpoint=os.path.join(out_dir, "run", "checkpoint-2"))
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        traceback.print_exc()
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
