@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 import time
 
@@ -55,10 +56,12 @@ def reference_losses(model, dataset) -> list[float]:
 
 
 def train(model, train_set, cuda: bool, modules: dict, **extra):
+    settings = dict(output_dir="/tmp/hf_omni_gpu_check", save_strategy="no")
+    settings.update(extra)
     args = OmniTrainingArguments(
-        output_dir="/tmp/hf_omni_gpu_check", max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
-        lr_scheduler_type="constant", optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not cuda,
-        report_to="none", save_strategy="no", disable_tqdm=True, modules=modules, **extra)
+        max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1, lr_scheduler_type="constant",
+        optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not cuda, report_to="none",
+        disable_tqdm=True, modules=modules, **settings)
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
     start = time.perf_counter()
     trainer.train()
@@ -84,7 +87,15 @@ def main():
     train_set, _ = load_splits(model.processors["llm"])
     reference = reference_losses(copy.deepcopy(model), train_set)
     fp16_model = copy.deepcopy(model)
-    trainer, losses, seconds = train(model, train_set, cuda, MODULES)
+    # async checkpoints under the training backend (NCCL on CUDA): their DCP traffic runs on hf_omni's gloo groups
+    run_dir = "/tmp/hf_omni_gpu_check/async"
+    if os.environ.get("RANK", "0") == "0":  # other ranks write nothing before the first save
+        shutil.rmtree(run_dir, ignore_errors=True)
+    trainer, losses, seconds = train(model, train_set, cuda, MODULES, output_dir=run_dir, save_strategy="steps",
+                                     save_steps=STEPS // 2, save_async=True)
+    from hf_omni.checkpoint_files import complete_checkpoints
+
+    async_saves = [os.path.basename(p) for p in complete_checkpoints(run_dir)]
     fp16 = None
     if cuda:  # every rank trains it; the LLM replicated here: the check is the scaler shared by the optimizers
         fp16_modules = {n: {**{k: v for k, v in m.items() if k != "fsdp_plugin"}, "parallel": "ddp"}
@@ -97,6 +108,8 @@ def main():
     print(f"\nbench/gpu_check.py: {device}, backend {backend}, wrapped {trainer.plugin.wrapped}, "
           f"llm param dtype in forward: bf16, {STEPS} steps in {seconds:.1f} s")
     ok = report("FSDP2, bf16", losses, reference)
+    print(f"async saves under {backend}, marked complete: {async_saves}")
+    ok = ok and async_saves == [f"checkpoint-{STEPS // 2}", f"checkpoint-{STEPS}"]
     if fp16 is not None:
         scaler = fp16[0].plugin.scaler
         print(f"fp16: one GradScaler shared by {sorted(fp16[0].plugin.optimizer.optimizers)}: {scaler is not None}, "

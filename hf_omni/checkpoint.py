@@ -47,6 +47,7 @@ class ModuleCheckpointer:
         self._exit_hook = False
         self._unmapped: dict[str, frozenset[str]] = {}
         self.group = checkpoint_group()  # every step one rank does alone ends in an agreement on this group
+        self.async_group = checkpoint_group() if save_async else None  # the background writer's collectives
 
     def unmapped(self, name: str) -> frozenset[str]:
         """Tensors of module `name` its HF files do not hold as is: a checkpoint keeps them in `state/`."""
@@ -89,7 +90,9 @@ class ModuleCheckpointer:
                 continue
             stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
             future = files.save_module_state(module, optimizer.optimizers[name], folder,
-                                             self._unmapped_tensors(name), stager=stager)
+                                             self._unmapped_tensors(name), stager=stager,
+                                             executor=self._writer() if self.save_async else None,
+                                             group=self.async_group)
             futures += [future] if future is not None else []
             with agreed(f"module {name!r}: writing {os.path.join(folder, files.STATE, files.SCHEDULER)}",
                         self.group):
@@ -118,8 +121,18 @@ class ModuleCheckpointer:
             if is_main():
                 files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable))
 
+    def close(self) -> None:
+        """Finish the save in flight (marker included), release the staging buffers and the writer thread."""
+        self.wait()
+        for stager in self._stagers.values():
+            stager.close()
+        self._stagers.clear()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
     def _writer(self):
-        """The background thread that writes module files during an async save."""
+        """The one background thread that writes every module's files and shards during an async save, in order."""
         if self._executor is None:
             from concurrent.futures import ThreadPoolExecutor
 

@@ -142,20 +142,22 @@ def save_scheduler(scheduler, folder: str) -> None:
     torch.save(scheduler.state_dict(), os.path.join(folder, STATE, SCHEDULER))
 
 
-def save_module_state(module, optimizer, folder: str, tensors: dict, stager=None):
+def save_module_state(module, optimizer, folder: str, tensors: dict, stager=None, executor=None, group=None):
     """`state/`: the optimizer state and the module `tensors` its HF files cannot serve as is, through DCP (every
-    rank its own shards; DCP itself raises on every rank when one fails). With a `stager` the save is asynchronous:
-    returns DCP's future."""
+    rank its own shards; DCP itself raises on every rank when one fails). Async (`stager`): the state is copied
+    now, then written by `executor` — one background thread for every module, in the same order on every rank,
+    its collectives on `group` alone (a gloo group: CPU tensors under any training backend); returns the future."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
     state = {"optimizer": get_optimizer_state_dict(module, optimizer), "tensors": tensors}
-    if stager is not None:
-        return dcp.async_save(state, checkpoint_id=state_dir, async_stager=stager)
-    dcp.save(state, checkpoint_id=state_dir)
-    return None
+    if stager is None:
+        dcp.save(state, checkpoint_id=state_dir)
+        return None
+    staged = stager.stage(state)
+    return executor.submit(dcp.save, staged, checkpoint_id=state_dir, process_group=group)
 
 
 def state_keys(folder: str) -> list[str]:

@@ -159,6 +159,11 @@ class OmniPlugin:
         if self.checkpointer is not None:
             self.checkpointer.wait()
 
+    def close(self) -> None:
+        """The end of training: the save in flight finished and marked, async staging buffers released."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
     def fill_from_checkpoint(self, model: OmniModel, directory: str) -> set[str]:
         """Before `prepare`: `empty_init` modules will be filled from the checkpoint instead of their initial
         weights. Returns them (`load_state` then skips their weights)."""

@@ -92,7 +92,7 @@ class OmniTrainer(Trainer):
             checkpoint_files.check_complete(str(resume_from_checkpoint))
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self.plugin.wait_for_save()  # an async save still in flight gets its marker
+        self.plugin.close()  # an async save still in flight gets its marker; staging buffers released
         return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
