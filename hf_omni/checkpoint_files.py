@@ -71,14 +71,24 @@ def read_marker(directory: str) -> dict | None:
 
 
 def check_complete(directory: str) -> dict:
-    """The marker of a complete checkpoint; a clear error for a missing path, a missing marker or a missing or
-    truncated file."""
+    """The marker of a complete checkpoint; a clear error for a missing path, a missing or malformed marker, a
+    missing or truncated file, or a file the marker does not list."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint {directory} does not exist")
-    marker = read_marker(directory)
+    try:
+        marker = read_marker(directory)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint {directory}: {MARKER} is not valid JSON ({err})") from None
     if marker is None:
         raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
-    for rel, size in marker.get("files", {}).items():
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise ValueError(f"checkpoint {directory}: {MARKER} has no file list")
+    extra = sorted(set(listed_files(directory)) - set(marker["files"]))
+    if extra:
+        raise ValueError(f"checkpoint {directory}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
+    for rel, size in marker["files"].items():
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise ValueError(f"checkpoint {directory}: {MARKER} lists a path outside it: {rel!r}")
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
             raise ValueError(f"checkpoint {directory}: file {rel} is missing")
