@@ -130,7 +130,9 @@ def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str
     deletable = [p for p in found if p not in keep and os.path.abspath(p) not in keep]
     excess = len(found) - limit
     deleted = deletable[:max(excess, 0)]
-    for path in deleted:
+    for path in deleted:  # the marker first: a deletion cut short leaves an incomplete checkpoint, never a broken one
+        os.remove(os.path.join(path, MARKER))
+        fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
     return deleted
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 from .checkpoint_files import check_complete
 from .config import OmniConfig, module_folder
@@ -18,10 +19,14 @@ def export(checkpoint: str, out: str) -> None:
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: nothing was written")
     folders = {name: module_folder(checkpoint, config, name) for name in config.module_names}  # all, before writing
-    os.makedirs(out, exist_ok=True)
+    partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
     for name, folder in folders.items():
-        copy_module_folder(folder, os.path.join(out, config.module_entry(name)["subfolder"]))
-    config.save_pretrained(out)
+        copy_module_folder(folder, os.path.join(partial, config.module_entry(name)["subfolder"]))
+    config.save_pretrained(partial)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked above)
+    os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete
 
 
 def main(argv: list[str] | None = None) -> None:
