@@ -60,54 +60,6 @@ def test_json_and_cli(tmp_path):
     assert cli.resolve_modules(["llm"])["llm"].parallel == "none"
 
 
-PARSE_ERRORS = [
-    (dict(modules={"llm": {"lr": 1}}), "modules.llm.lr"),
-    (dict(modules={"llm": {"learning_rate": -1}}), "modules.llm.learning_rate"),
-    (dict(learning_rate=-1.0), "learning_rate"),
-    (dict(modules={"llm": {"learning_rate": "fast"}}), "modules.llm.learning_rate"),
-    (dict(modules={"llm": {"trainable": "no"}}), "modules.llm.trainable"),
-    (dict(modules={"llm": {"parallel": "tp"}}), "modules.llm.parallel"),
-    (dict(modules={"llm": {"optim": "adamw_nonexistent"}}), "modules.llm.optim"),
-    (dict(modules={"llm": {"lr_scheduler_type": "zigzag"}}), "modules.llm.lr_scheduler_type"),
-    (dict(modules={"llm": {"lr_scheduler_type": "reduce_lr_on_plateau"}}), "modules.llm.lr_scheduler_type"),
-    (dict(modules={"llm": {"lora": {"rank": 3}}}), "modules.llm.lora"),
-    (dict(modules={"llm": {"fsdp_plugin": {"shard": True}}}), "modules.llm.fsdp_plugin.shard"),
-    (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10, "transformer_cls_names_to_wrap": ["X"]}}}),
-     "modules.llm.fsdp_plugin.min_num_params"),
-    (dict(modules={"llm": {"learning_rate": None}}), "modules.llm.learning_rate"),
-    (dict(modules={"llm": {"fsdp_plugin": {"mixed_precision": "bf8"}}}), "modules.llm.fsdp_plugin.mixed_precision"),
-    (dict(fsdp_plugin={"mixed_precision": {"param_dtype": "int8"}}), "fsdp_plugin.mixed_precision.param_dtype"),
-    (dict(modules={"llm": 3}), "modules.llm"),
-    (dict(fsdp="full_shard"), "fsdp"),
-    (dict(fsdp_config={"min_num_params": 1}), "fsdp_config"),
-    (dict(gradient_checkpointing=True), "gradient_checkpointing"),
-    (dict(grad_clip_scope="global", modules={"llm": {"max_grad_norm": 1.0}}), "modules.llm.max_grad_norm"),
-    (dict(fsdp_scope="model", modules={"llm": {"parallel": "ddp"}}), "modules.llm.parallel"),
-    (dict(fsdp_scope="model", modules={"llm": {"fsdp_plugin": {"cpu_offload": True}}}), "modules.llm.fsdp_plugin"),
-    (dict(parallel="zero3"), "parallel"),
-    (dict(modules="{not json"), "modules"),
-    (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10}}},
-          fsdp_plugin={"transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}), "modules.llm.fsdp_plugin.min_num_params"),
-    (dict(deepspeed={"zero_optimization": {"stage": 3}}), "deepspeed"),
-    (dict(push_to_hub=True), "push_to_hub"),
-    (dict(hub_strategy="checkpoint"), "hub_strategy"),
-    (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
-    (dict(torch_compile=True), "torch_compile"),
-    (dict(fp16=True, use_cpu=True), "fp16"),
-    (dict(modules={"llm": {"fsdp_plugin": {"cpu_ram_efficient_loading": True}}}),
-     "modules.llm.fsdp_plugin.cpu_ram_efficient_loading"),
-    (dict(fsdp_plugin={"mixed_precision": "fp16"}), "fsdp_plugin.mixed_precision"),
-    (dict(modules={"llm": {"ddp_bucket_cap_mb": 0}}), "modules.llm.ddp_bucket_cap_mb"),
-]
-
-
-@pytest.mark.parametrize("overrides,where", PARSE_ERRORS)
-def test_parse_time_errors_name_module_and_key(tmp_path, overrides, where):
-    with pytest.raises(ValueError) as err:
-        OmniTrainingArguments(output_dir=str(tmp_path), **overrides)
-    assert str(err.value).startswith(where + ":") or str(err.value).startswith(where + "."), str(err.value)
-
-
 def test_global_engines_refused_naming_the_per_module_key(tmp_path):
     from accelerate.parallelism_config import ParallelismConfig
 

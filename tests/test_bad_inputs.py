@@ -1,5 +1,7 @@
-"""Hostile or broken inputs: each gets one clear error before anything is computed, and nothing on disk changes.
-(Paths in a checkpoint's or export's root config.json first; the faults issue grows this catalogue.)"""
+"""The catalogue of hostile or broken inputs: arguments and YAML, crafted paths in a root config.json, checkpoint
+folders. Each gets one clear error naming what is wrong (module and key, module and file) before anything is
+computed, and nothing on disk changes. (Model-time argument errors: tests/test_arguments.py; model composition:
+tests/test_modeling.py.)"""
 
 import json
 import os
@@ -7,7 +9,75 @@ import os
 import pytest
 from helpers import Captioner, tiny_model
 
+from hf_omni import OmniTrainingArguments
 from hf_omni.cli import export
+
+# -- arguments ---------------------------------------------------------------------------------------------
+PARSE_ERRORS = [
+    (dict(modules={"llm": {"lr": 1}}), "modules.llm.lr"),
+    (dict(modules={"llm": {"learning_rate": -1}}), "modules.llm.learning_rate"),
+    (dict(learning_rate=-1.0), "learning_rate"),
+    (dict(modules={"llm": {"learning_rate": "fast"}}), "modules.llm.learning_rate"),
+    (dict(modules={"llm": {"trainable": "no"}}), "modules.llm.trainable"),
+    (dict(modules={"llm": {"parallel": "tp"}}), "modules.llm.parallel"),
+    (dict(modules={"llm": {"optim": "adamw_nonexistent"}}), "modules.llm.optim"),
+    (dict(modules={"llm": {"lr_scheduler_type": "zigzag"}}), "modules.llm.lr_scheduler_type"),
+    (dict(modules={"llm": {"lr_scheduler_type": "reduce_lr_on_plateau"}}), "modules.llm.lr_scheduler_type"),
+    (dict(modules={"llm": {"lora": {"rank": 3}}}), "modules.llm.lora"),
+    (dict(modules={"llm": {"fsdp_plugin": {"shard": True}}}), "modules.llm.fsdp_plugin.shard"),
+    (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10, "transformer_cls_names_to_wrap": ["X"]}}}),
+     "modules.llm.fsdp_plugin.min_num_params"),
+    (dict(modules={"llm": {"learning_rate": None}}), "modules.llm.learning_rate"),
+    (dict(modules={"llm": {"fsdp_plugin": {"mixed_precision": "bf8"}}}), "modules.llm.fsdp_plugin.mixed_precision"),
+    (dict(fsdp_plugin={"mixed_precision": {"param_dtype": "int8"}}), "fsdp_plugin.mixed_precision.param_dtype"),
+    (dict(modules={"llm": 3}), "modules.llm"),
+    (dict(fsdp="full_shard"), "fsdp"),
+    (dict(fsdp_config={"min_num_params": 1}), "fsdp_config"),
+    (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+    (dict(grad_clip_scope="global", modules={"llm": {"max_grad_norm": 1.0}}), "modules.llm.max_grad_norm"),
+    (dict(fsdp_scope="model", modules={"llm": {"parallel": "ddp"}}), "modules.llm.parallel"),
+    (dict(fsdp_scope="model", modules={"llm": {"fsdp_plugin": {"cpu_offload": True}}}), "modules.llm.fsdp_plugin"),
+    (dict(parallel="zero3"), "parallel"),
+    (dict(modules="{not json"), "modules"),
+    (dict(modules={"llm": {"fsdp_plugin": {"min_num_params": 10}}},
+          fsdp_plugin={"transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}), "modules.llm.fsdp_plugin.min_num_params"),
+    (dict(deepspeed={"zero_optimization": {"stage": 3}}), "deepspeed"),
+    (dict(push_to_hub=True), "push_to_hub"),
+    (dict(hub_strategy="checkpoint"), "hub_strategy"),
+    (dict(activation_checkpointing=True, gradient_checkpointing=True), "gradient_checkpointing"),
+    (dict(torch_compile=True), "torch_compile"),
+    (dict(fp16=True, use_cpu=True), "fp16"),
+    (dict(modules={"llm": {"fsdp_plugin": {"cpu_ram_efficient_loading": True}}}),
+     "modules.llm.fsdp_plugin.cpu_ram_efficient_loading"),
+    (dict(fsdp_plugin={"mixed_precision": "fp16"}), "fsdp_plugin.mixed_precision"),
+    (dict(modules={"llm": {"ddp_bucket_cap_mb": 0}}), "modules.llm.ddp_bucket_cap_mb"),
+]
+
+
+@pytest.mark.parametrize("overrides,where", PARSE_ERRORS)
+def test_parse_time_errors_name_module_and_key(tmp_path, overrides, where):
+    with pytest.raises(ValueError) as err:
+        OmniTrainingArguments(output_dir=str(tmp_path), **overrides)
+    assert str(err.value).startswith(where + ":") or str(err.value).startswith(where + "."), str(err.value)
+
+
+BAD_YAML = {
+    "not a mapping": ("- a\n- b\n", "ValueError|TypeError|AttributeError"),
+    "a string where a dict goes": ("output_dir: x\nmodules: {llm: {lora: 8}}\n", r"modules\.llm\.lora"),
+    "a number that is not one": ("output_dir: x\nlearning_rate: fast\n", r"learning_rate"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_YAML))
+def test_bad_yaml_files_fail_with_a_clear_error(tmp_path, case):
+    from transformers import HfArgumentParser
+
+    text, message = BAD_YAML[case]
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    with pytest.raises((ValueError, TypeError, AttributeError), match=message if "|" not in message else None):
+        HfArgumentParser(OmniTrainingArguments).parse_yaml_file(str(path))
+
 
 
 @pytest.fixture(scope="module")
