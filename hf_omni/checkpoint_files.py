@@ -5,7 +5,7 @@ scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
     <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
         config.json, model.safetensors (+ adapter files for LoRA), tokenizer / processor files
         state/                        optimizer state through torch.distributed.checkpoint (each rank writes its
-                                      own shards, no gather) + scheduler.pt
+                                      own shards, no gather) + scheduler.json
     <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
 
 What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
@@ -27,7 +27,7 @@ from .dist import world_size
 
 MARKER = "hf_omni_checkpoint.json"
 STATE = "state"
-SCHEDULER = "scheduler.pt"
+SCHEDULER = "scheduler.json"
 FORMAT = 1
 _STEP = re.compile(r"checkpoint-(\d+)$")
 
@@ -149,9 +149,15 @@ def make_stager():
 
 
 def save_scheduler(scheduler, folder: str) -> None:
-    """The module's scheduler state in `state/` (rank 0)."""
+    """The module's scheduler state in `state/` as JSON (rank 0): read back without unpickling anything."""
     os.makedirs(os.path.join(folder, STATE), exist_ok=True)
-    torch.save(scheduler.state_dict(), os.path.join(folder, STATE, SCHEDULER))
+    state = scheduler.state_dict()
+    try:
+        text = json.dumps(state)
+    except TypeError as err:
+        raise TypeError(f"scheduler {type(scheduler).__name__}: its state is not JSON ({err})") from None
+    with open(os.path.join(folder, STATE, SCHEDULER), "w") as f:
+        f.write(text)
 
 
 def save_module_state(module, optimizer, folder: str, tensors: dict, stager=None, executor=None, group=None):
@@ -216,7 +222,8 @@ def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) 
     params = dict(module.named_parameters())
     for fqn in stateless:  # as in the saved run: no state until their first gradient
         optimizer.state.pop(params[fqn], None)
-    scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER), weights_only=True))
+    with open(os.path.join(state_dir, SCHEDULER)) as f:
+        scheduler.load_state_dict(json.load(f))
 
 
 def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True) -> dict:

@@ -207,7 +207,7 @@ CHECKPOINT_CASES = {
     "marker without files": (lambda f: _marker(f, lambda d: d.pop("files")), "has no file list"),
     "truncated weights": (lambda f: (f / "llm" / "model.safetensors").write_bytes(b"x" * 10),
                           r"llm/model\.safetensors has 10 bytes"),
-    "missing scheduler": (lambda f: os.remove(f / "llm" / "state" / "scheduler.pt"), r"file llm/state/scheduler\.pt is missing"),
+    "missing scheduler": (lambda f: os.remove(f / "llm" / "state" / "scheduler.json"), r"file llm/state/scheduler\.json is missing"),
     "unlisted file": (lambda f: (f / "llm" / "extra.bin").write_bytes(b"x"), r"file llm/extra\.bin is not listed"),
     "marker path outside": (lambda f: _marker(f, lambda d: d["files"].update({"../escape": 1})),
                             "lists a path outside it"),

@@ -33,7 +33,7 @@ def test_layout_and_each_module_folder_loads(tmp_path):
     ckpt = tmp_path / "checkpoint-5"
     assert (ckpt / MARKER).exists() and (ckpt / "trainer_state.json").exists() and (ckpt / "rng_state.pth").exists()
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["llm", "projector"]  # no frozen vision
-    assert (ckpt / "llm" / "adapter_model.safetensors").exists() and (ckpt / "llm" / "state" / "scheduler.pt").exists()
+    assert (ckpt / "llm" / "adapter_model.safetensors").exists() and (ckpt / "llm" / "state" / "scheduler.json").exists()
     marker = json.loads((ckpt / MARKER).read_text())
     assert marker["step"] == 5 and marker["modules"] == ["projector", "llm"] and marker["world_size"] == 1
     assert "llm/model.safetensors" in marker["files"]
