@@ -8,10 +8,10 @@ hooks are overridden (and checked against the installed Trainer by `check_traine
 - `log`: adds `grad_norm/<module>` and `lr/<module>`;
 - `save_model`: one HF folder per module plus the root config;
 - `_move_model_to_device`: leaves `empty_init` modules on the meta device for the plugin to fill;
-- `train` / `_load_from_checkpoint` / `_save_checkpoint` / `_load_rng_state`: per-module checkpoints (see
-  `hf_omni.checkpoint`): `resume_from_checkpoint=True` takes the newest *complete* checkpoint, the marker is
-  written after Trainer's own state, rotation only counts complete checkpoints, and a rank without an RNG file
-  of its own (resuming at another world size) gets a state derived from the saved ones;
+- `train` / `_load_from_checkpoint` / `_save_checkpoint` / `_save_rng_state` / `_load_rng_state`: per-module
+  checkpoints (see `hf_omni.checkpoint`): `resume_from_checkpoint=True` takes the newest *complete* checkpoint,
+  the marker is written after Trainer's own state, rotation only counts complete checkpoints, RNG states are
+  JSON, and a rank without an RNG file of its own (resuming at another world size) gets a derived state;
 - `_load_best_model`: `load_best_model_at_end` reads every module's weights back from the best checkpoint.
 """
 
@@ -25,7 +25,7 @@ from transformers import Trainer
 from . import checkpoint_files
 from .arguments import OmniTrainingArguments
 from .plugin import OmniPlugin
-from .rng import restore_other_world_size, trainer_rng_file
+from .rng import restore_rng_state, save_rng_state
 
 # hook -> the parameter names we rely on (Trainer's private API changes between minor releases)
 TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
@@ -41,12 +41,12 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_rng_state": ("self", "checkpoint"),
+    "_save_rng_state": ("self", "output_dir"),
     "_load_best_model": ("self",),
 }
 # Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
 TRAINER_CALLS: dict[str, tuple[str, ...]] = {
     "_get_output_dir": ("self", "trial"),
-    "_save_rng_state": ("self", "output_dir"),
 }
 
 
@@ -132,15 +132,15 @@ class OmniTrainer(Trainer):
         """`load_best_model_at_end`: every module's weights from the best checkpoint (after any save in flight)."""
         self.plugin.load_state(self.state.best_model_checkpoint, weights_only=True)
 
-    def _load_rng_state(self, checkpoint):
-        """Each rank restores its own RNG file, also one saved at another world size (see `rng.py`)."""
-        if checkpoint is None:
-            return
-        if os.path.isfile(trainer_rng_file(checkpoint, self.args.process_index, self.args.world_size)):
-            return super()._load_rng_state(checkpoint)
-        restore_other_world_size(checkpoint, self.args.process_index)
+    def _save_rng_state(self, output_dir):
+        """Each rank's RNG state as JSON (`rng.py`): a resume reads it back without unpickling anything."""
+        save_rng_state(output_dir, self.args.process_index)
 
-    # -- setup ----------------------------------------------------------------------------------
+    def _load_rng_state(self, checkpoint):
+        """Each rank restores its own RNG file; at another world size, a rank without one gets a derived state."""
+        if checkpoint is not None:
+            restore_rng_state(checkpoint, self.args.process_index)
+
     def _move_model_to_device(self, model, device):
         """Modules still on the meta device (`empty_init`) stay there: `OmniPlugin.prepare` fills them in place."""
         pending = getattr(model, "pending_weights", None)

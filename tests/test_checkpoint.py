@@ -31,7 +31,7 @@ def run(tmp_path, steps=10, resume=None, model=None, **kw):
 def test_layout_and_each_module_folder_loads(tmp_path):
     trainer, model = run(tmp_path)
     ckpt = tmp_path / "checkpoint-5"
-    assert (ckpt / MARKER).exists() and (ckpt / "trainer_state.json").exists() and (ckpt / "rng_state.pth").exists()
+    assert (ckpt / MARKER).exists() and (ckpt / "trainer_state.json").exists() and (ckpt / "rng_state_0.json").exists()
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["llm", "projector"]  # no frozen vision
     assert (ckpt / "llm" / "adapter_model.safetensors").exists() and (ckpt / "llm" / "state" / "scheduler.json").exists()
     marker = json.loads((ckpt / MARKER).read_text())
@@ -236,7 +236,7 @@ def test_save_only_model_writes_module_folders_without_state_and_is_not_resumabl
     trainer, model = run(tmp_path, save_only_model=True)
     ckpt = tmp_path / "checkpoint-10"
     marker = json.loads((ckpt / MARKER).read_text())
-    assert marker["resumable"] is False and not (ckpt / "rng_state.pth").exists()
+    assert marker["resumable"] is False and not (ckpt / "rng_state_0.json").exists()
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["llm", "projector"]
     assert not (ckpt / "llm" / "state").exists() and not (ckpt / "projector" / "state").exists()
     loaded = Captioner.from_pretrained(ckpt).state_dict()  # the weights, loadable as is
