@@ -16,7 +16,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,7 +60,7 @@ def run_omni(train_set):
 def run_trainer(train_set):
     import torch
     from digits import build_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     timer = StepTimer()
     model = build_model()

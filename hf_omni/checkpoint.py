@@ -6,8 +6,8 @@
     load:  checks (marker, files, module set) -> every module's shapes / dtypes -> weights (each rank its own rows)
            -> optimizer shards (DCP reshards) + scheduler
 
-The layout is in `checkpoint_files`. RNG and data position stay the loop's (Trainer's own files, or
-`accelerator.save_state` in a custom loop).
+The layout is in `checkpoint_files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG
+state through `rng.py`; a custom loop uses `accelerator.save_state`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ModuleCheckpointer:
     def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool):
         self.model, self.trainable = model, list(trainable)
         self.output_dir, self.save_async = output_dir, save_async
-        self._pending: tuple | None = None  # (directory, step, futures) of a save without its marker
+        self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
         self._executor = None
         self._stagers: dict = {}  # module -> DCP stager reused by async saves
         self._exit_hook = False

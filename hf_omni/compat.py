@@ -44,7 +44,7 @@ def resolve(path: str, library: str | None = None):
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
+        except ImportError:  # not a module at this length: try a shorter prefix (all failing raises below)
             continue
         try:
             for attr in parts[cut:]:

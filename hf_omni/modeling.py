@@ -25,7 +25,6 @@ import contextlib
 import os
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 

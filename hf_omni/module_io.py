@@ -43,8 +43,13 @@ def lora_config_of(module: nn.Module):
 def base_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict with PEFT's additions removed — LoRA tensors, `modules_to_save` copies (they live in the
     adapter) — and `base_layer` / `original_module` folded back: the original model's keys."""
-    return {key.replace(".base_layer.", ".").replace(".original_module.", "."): value for key, value in state.items()
+    return {base_key(key): value for key, value in state.items()
             if ".lora_" not in key and not key.startswith("lora_") and ".modules_to_save." not in key}
+
+
+def base_key(key: str) -> str:
+    """A PEFT-injected module's tensor name as the original model names it."""
+    return key.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from .compat import init_lora_layer, init_weights, transformers_save_keys
-from .module_io import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, has_adapter, lora_config_of, original_class
+from .module_io import (
+    ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of, original_class,
+)
 
 logger = logging.getLogger(__name__)
 WEIGHTS, ADAPTER = "weights", "adapter"
@@ -158,10 +160,10 @@ def read_through_transformers(module: nn.Module, folder: str, names: list[str], 
     for tensors the files do not hold as is. Returns the names transformers' model does not have either."""
     dtype = next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
     loaded = original_class(module).from_pretrained(folder, dtype=dtype).state_dict()
+    tensors = module_tensors(module)
     left = []
     for name in names:
-        value = loaded.get(name.replace(".base_layer.", "."))
-        tensor = module_tensors(module)[name]
+        value, tensor = loaded.get(base_key(name)), tensors[name]
         if value is None or tuple(value.shape) != tuple(tensor.shape):
             left.append(name)
             continue

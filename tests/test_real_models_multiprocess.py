@@ -3,7 +3,6 @@ forward never uses trains under DDP (Trainer's find_unused_parameters default), 
 every rank (DDP's broadcast_buffers) so resume is bitwise on each rank, FSDP Mixtral (experts kept in state/)
 resumes bitwise, and evaluate() at 2 ranks equals one process evaluating the export."""
 
-import os
 
 import pytest
 import torch
