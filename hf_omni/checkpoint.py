@@ -16,6 +16,7 @@ import atexit
 import os
 
 from . import checkpoint_files as files
+from . import module_state
 from .config import OmniConfig, module_folder
 from .dist import agreed, checkpoint_group, is_main
 from .module_io import save_module
@@ -88,19 +89,22 @@ class ModuleCheckpointer:
                     futures += [written] if written is not None else []
             if weights_only:
                 continue
-            stager = self._stagers.setdefault(name, files.make_stager()) if self.save_async else None
-            future = files.save_module_state(module, optimizer.optimizers[name], folder,
-                                             self._unmapped_tensors(name), stager=stager,
-                                             executor=self._writer() if self.save_async else None,
-                                             group=self.async_group)
-            futures += [future] if future is not None else []
-            with agreed(f"module {name!r}: writing {os.path.join(folder, files.STATE, files.SCHEDULER)}",
-                        self.group):
+            optim_tensors, optim_rest = module_state.optimizer_state(module, optimizer.optimizers[name], folder)
+            with agreed(f"module {name!r}: writing {os.path.join(folder, module_state.STATE)} "
+                        f"({module_state.OPTIMIZER}, {module_state.SCHEDULER})", self.group):
                 if is_main():
-                    files.save_scheduler(scheduler.schedulers[name], folder)
+                    module_state.save_json(optim_rest, folder, module_state.OPTIMIZER)
+                    module_state.save_scheduler(scheduler.schedulers[name], folder)
+            stager = self._stagers.setdefault(name, module_state.make_stager()) if self.save_async else None
+            future = module_state.save_state_tensors(folder, optim_tensors, self._unmapped_tensors(name),
+                                                     stager=stager, group=self.async_group,
+                                                     executor=self._writer() if self.save_async else None)
+            futures += [future] if future is not None else []
         with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):
             if is_main():
                 self.model.write_config(directory)
+                if not weights_only:
+                    files.save_scaler(optimizer.scaler, directory)
         self._pending = (directory, step, futures, not weights_only)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
@@ -187,6 +191,10 @@ class ModuleCheckpointer:
             for name in self.trainable:
                 if folders[name] != os.path.join(directory, config.module_entry(name)["subfolder"]):
                     raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
+        saved = {}  # optimizer.json / scheduler.json of each module, read before any weights
+        for name in [] if weights_only else self.trainable:
+            with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", self.group):
+                saved[name] = module_state.read_state_json(folders[name])
         todo = {name: folder for name, folder in folders.items() if name not in weights_loaded}
         for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
             for name, folder in todo.items():
@@ -197,10 +205,13 @@ class ModuleCheckpointer:
             entry["source"] = entry.get("source") or config.module_entry(name).get("source")
         for name in self.trainable:
             if weights_only:
-                files.load_module_tensors(folders[name], self._unmapped_tensors(name))
+                module_state.load_module_tensors(folders[name], self._unmapped_tensors(name))
             else:
-                files.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
-                                        scheduler.schedulers[name], folders[name], self._unmapped_tensors(name))
+                module_state.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
+                                               scheduler.schedulers[name], folders[name], self._unmapped_tensors(name),
+                                               saved[name])
+        if not weights_only:
+            files.load_scaler(optimizer.scaler, directory)
 
     def _read_weights(self, name: str, folder: str, dry_run: bool) -> None:
         """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`); a
@@ -209,10 +220,10 @@ class ModuleCheckpointer:
         module, unmapped = getattr(self.model, name), self.unmapped(name)
         if name in self.trainable:
             read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)
-            kept = set(files.state_keys(folder)) if dry_run and unmapped else set()
+            kept = set(module_state.state_keys(folder)) if dry_run and unmapped else set()
             lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
             if lost:
-                raise ValueError(f"module {name!r}: {folder}/{files.STATE} lacks {len(lost)} tensors {lost[:5]}")
+                raise ValueError(f"module {name!r}: {folder}/{module_state.STATE} lacks {len(lost)} tensors {lost[:5]}")
             return
         missing = read_into(module, folder, module_name=name, dry_run=dry_run)
         lost = [n for n in missing if n not in unmapped]

@@ -4,8 +4,9 @@ scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
     <dir>/config.json                 root OmniConfig (module sources recorded)
     <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
         config.json, model.safetensors (+ adapter files for LoRA), tokenizer / processor files
-        state/                        optimizer state through torch.distributed.checkpoint (each rank writes its
-                                      own shards, no gather) + scheduler.json
+        state/                        optimizer state (`module_state.py`: safetensors shards through DCP, each
+                                      rank its own, no gather; JSON for the rest) + scheduler.json
+    <dir>/scaler.json                 fp16's shared GradScaler state, when there is one
     <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
 
 What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
@@ -21,14 +22,11 @@ import json
 import os
 import re
 
-import torch
-
 from .dist import world_size
 
 MARKER = "hf_omni_checkpoint.json"
-STATE = "state"
-SCHEDULER = "scheduler.json"
-FORMAT = 1
+SCALER = "scaler.json"
+FORMAT = 2  # 1: module state through DCP's pickled `.metadata` (never loaded: see module_state.py)
 _STEP = re.compile(r"checkpoint-(\d+)$")
 
 
@@ -83,6 +81,9 @@ def check_complete(directory: str) -> dict:
         raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise ValueError(f"checkpoint {directory}: {MARKER} has no file list")
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {directory} has format {marker.get('format')!r}, this hf_omni reads format "
+                         f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
     extra = sorted(set(listed_files(directory)) - set(marker["files"]))
     if extra:
         raise ValueError(f"checkpoint {directory}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
@@ -137,93 +138,19 @@ def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str
     return deleted
 
 
-# -- one module's resume state --------------------------------------------------------------------------
-def make_stager():
-    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
-    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=gpu))
+def save_scaler(scaler, directory: str) -> None:
+    """fp16's GradScaler (one for the whole model) as JSON (rank 0): its scale survives a resume."""
+    if scaler is not None:
+        with open(os.path.join(directory, SCALER), "w") as f:
+            json.dump(scaler.state_dict(), f)
 
 
-def save_scheduler(scheduler, folder: str) -> None:
-    """The module's scheduler state in `state/` as JSON (rank 0): read back without unpickling anything."""
-    os.makedirs(os.path.join(folder, STATE), exist_ok=True)
-    state = scheduler.state_dict()
-    try:
-        text = json.dumps(state)
-    except TypeError as err:
-        raise TypeError(f"scheduler {type(scheduler).__name__}: its state is not JSON ({err})") from None
-    with open(os.path.join(folder, STATE, SCHEDULER), "w") as f:
-        f.write(text)
-
-
-def save_module_state(module, optimizer, folder: str, tensors: dict, stager=None, executor=None, group=None):
-    """`state/`: the optimizer state and the module `tensors` its HF files cannot serve as is, through DCP (every
-    rank its own shards; DCP itself raises on every rank when one fails). Async (`stager`): the state is copied
-    now, then written by `executor` — one background thread for every module, in the same order on every rank,
-    its collectives on `group` alone (a gloo group: CPU tensors under any training backend); returns the future."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state_dir = os.path.join(folder, STATE)
-    os.makedirs(state_dir, exist_ok=True)
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer), "tensors": tensors}
-    if stager is None:
-        dcp.save(state, checkpoint_id=state_dir)
-        return None
-    staged = stager.stage(state)
-    return executor.submit(dcp.save, staged, checkpoint_id=state_dir, process_group=group)
-
-
-def state_keys(folder: str) -> list[str]:
-    """The sorted keys a module's `state/` holds (DCP's flattened names: `optimizer.state.<param>.<name>`,
-    `tensors.<name>`)."""
-    import torch.distributed.checkpoint as dcp
-
-    return sorted(dcp.FileSystemReader(os.path.join(folder, STATE)).read_metadata().state_dict_metadata)
-
-
-def load_module_tensors(folder: str, tensors: dict) -> None:
-    """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
-    import torch.distributed.checkpoint as dcp
-
-    if tensors:
-        dcp.load({"tensors": tensors}, checkpoint_id=os.path.join(folder, STATE))
-
-
-def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict) -> None:
-    """Read back `save_module_state`: `tensors` in place, the optimizer (resharded by DCP at another world size;
-    parameters that had no state when saved — never stepped, e.g. unused by the forward — get none), scheduler."""
-    import bisect
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
-    )
-
-    state_dir = os.path.join(folder, STATE)
-    saved = state_keys(folder)
-    optim_state = get_optimizer_state_dict(module, optimizer)
-
-    def has_saved_state(fqn: str) -> bool:
-        prefix = f"optimizer.state.{fqn}."
-        at = bisect.bisect_left(saved, prefix)
-        return at < len(saved) and saved[at].startswith(prefix)
-
-    stateless = [fqn for fqn in optim_state["state"] if not has_saved_state(fqn)]
-    for fqn in stateless:
-        del optim_state["state"][fqn]
-    state = {"optimizer": optim_state, "tensors": tensors}
-    dcp.load(state, checkpoint_id=state_dir)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=StateDictOptions(strict=not stateless))
-    params = dict(module.named_parameters())
-    for fqn in stateless:  # as in the saved run: no state until their first gradient
-        optimizer.state.pop(params[fqn], None)
-    with open(os.path.join(state_dir, SCHEDULER)) as f:
-        scheduler.load_state_dict(json.load(f))
+def load_scaler(scaler, directory: str) -> None:
+    """Read back `save_scaler`; a checkpoint of a run without one leaves the scaler at its initial scale."""
+    path = os.path.join(directory, SCALER)
+    if scaler is not None and os.path.isfile(path):
+        with open(path) as f:
+            scaler.load_state_dict(json.load(f))
 
 
 def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True) -> dict:

@@ -43,6 +43,8 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_load_rng_state": ("self", "checkpoint"),
     "_save_rng_state": ("self", "output_dir"),
     "_load_best_model": ("self",),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_load_scaler": ("self", "checkpoint"),
 }
 # Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
 TRAINER_CALLS: dict[str, tuple[str, ...]] = {
@@ -98,6 +100,13 @@ class OmniTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Nothing here: Trainer calls this before preparing; `_prepare_for_training` has the plugin read the
         modules in place once they are wrapped."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Nothing here: the plugin loaded every module's optimizer and scheduler (and never Trainer's pickled
+        `optimizer.pt` / `scheduler.pt`, which a crafted checkpoint could list in its marker)."""
+
+    def _load_scaler(self, checkpoint):
+        """Nothing here: the plugin loaded the GradScaler from `scaler.json` (never a pickled `scaler.pt`)."""
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_callback import ExportableState

@@ -200,6 +200,20 @@ def _marker(folder, change):
     (folder / "hf_omni_checkpoint.json").write_text(json.dumps(data))
 
 
+def _listed(folder, rel, text):
+    """Rewrite `rel` and list its new size in the marker: a crafted file, not a truncated one."""
+    from hf_omni.checkpoint_files import marker_info
+
+    (folder / rel).write_text(text)
+    _marker(folder, lambda d: d.update(files=marker_info(str(folder), 5, [])["files"]))
+
+
+def _other_groups(folder):
+    state = json.loads((folder / "llm" / "state" / "optimizer.json").read_text())
+    state["param_groups"][0]["params"] = ["lm_head.weight"]
+    _listed(folder, "llm/state/optimizer.json", json.dumps(state))
+
+
 CHECKPOINT_CASES = {
     "missing": (lambda f: __import__("shutil").rmtree(f), "does not exist"),
     "no marker": (lambda f: os.remove(f / "hf_omni_checkpoint.json"), "no hf_omni_checkpoint.json: it is incomplete"),
@@ -211,6 +225,12 @@ CHECKPOINT_CASES = {
     "unlisted file": (lambda f: (f / "llm" / "extra.bin").write_bytes(b"x"), r"file llm/extra\.bin is not listed"),
     "marker path outside": (lambda f: _marker(f, lambda d: d["files"].update({"../escape": 1})),
                             "lists a path outside it"),
+    "older format": (lambda f: _marker(f, lambda d: d.update(format=1)), "has format 1, this hf_omni reads format 2"),
+    "malformed optimizer.json": (lambda f: _listed(f, "llm/state/optimizer.json", "{not json"),
+                                 r"llm/state/optimizer\.json is not valid JSON"),
+    "optimizer.json of another model": (_other_groups, r"optimizer\.json: its param groups hold other parameters"),
+    "scheduler.json not a state": (lambda f: _listed(f, "llm/state/scheduler.json", "[1, 2]"),
+                                   r"scheduler\.json is not an hf_omni scheduler\.json"),
     "another module set": (lambda f: _marker(f, lambda d: d.update(modules=["llm"])),
                            r"holds trainable modules \['llm'\].*missing: \['projector'\]"),
 }

@@ -71,7 +71,7 @@ def test_bad_resume_inputs_fail_before_anything(tmp_path):
     os.remove(tmp_path / "checkpoint-5" / MARKER)
     with pytest.raises(ValueError, match="no hf_omni_checkpoint.json"):
         run(tmp_path, resume=str(tmp_path / "checkpoint-5"))
-    shard = next((tmp_path / "checkpoint-10" / "llm" / "state").glob("*.distcp"))
+    shard = next((tmp_path / "checkpoint-10" / "llm" / "state").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:10])
     with pytest.raises(ValueError, match="llm/state/.*has 10 bytes"):
         run(tmp_path, resume=str(tmp_path / "checkpoint-10"))

@@ -72,13 +72,13 @@ def test_a_tensor_the_checkpoint_cannot_restore_is_refused_before_loading(root, 
     refused, naming module and tensor, before any module is touched."""
     from real_model_runs import make_trainer
 
-    from hf_omni import checkpoint_files
+    from hf_omni import module_state
 
     ckpt = os.path.join(root, "mixtral_fp32", "straight", "checkpoint-2")
     if not os.path.isdir(ckpt):
         make_trainer(root, "mixtral_fp32", os.path.join(root, "mixtral_fp32", "straight")).train()
-    keys = checkpoint_files.state_keys
-    monkeypatch.setattr(checkpoint_files, "state_keys",
+    keys = module_state.state_keys
+    monkeypatch.setattr(module_state, "state_keys",
                         lambda folder: [k for k in keys(folder) if not k.startswith("tensors.")])
     trainer = make_trainer(root, "mixtral_fp32", os.path.join(root, "refused"), seed=3)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

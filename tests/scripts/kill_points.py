@@ -21,6 +21,7 @@ from transformers import TrainerState  # noqa: E402
 import hf_omni.checkpoint_files as files  # noqa: E402
 import hf_omni.cli  # noqa: E402
 import hf_omni.module_io as module_io  # noqa: E402
+import hf_omni.module_state as module_state  # noqa: E402
 from hf_omni.modeling import OmniModel  # noqa: E402
 from hf_omni.trainer import OmniTrainer  # noqa: E402
 
@@ -111,9 +112,10 @@ POINTS = {
     "optimizer_step": (lambda: kill_on_call(torch.optim.AdamW, "step", counting(13), before=False), {}),
     "hf_files_first_module": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10), {}),
     "hf_files_after_module": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10, before=False), {}),
-    "dcp_shards": (lambda: kill_on_call(files, "save_module_state", at_ckpt10), {}),
-    "dcp_shards_written": (lambda: kill_on_call(files, "save_module_state", at_ckpt10, before=False), {}),
-    "scheduler": (lambda: kill_on_call(files, "save_scheduler", at_ckpt10), {}),
+    "optimizer_json": (lambda: kill_on_call(module_state, "save_json", at_ckpt10), {}),
+    "scheduler": (lambda: kill_on_call(module_state, "save_scheduler", at_ckpt10), {}),
+    "dcp_shards": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10), {}),
+    "dcp_shards_written": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10, before=False), {}),
     "root_config": (lambda: kill_on_call(OmniModel, "write_config", at_ckpt10), {}),
     "rng": (lambda: kill_on_call(OmniTrainer, "_save_rng_state", at_ckpt10), {}),
     "trainer_state": (lambda: kill_on_call(TrainerState, "save_to_json", at_ckpt10), {}),
@@ -123,7 +125,7 @@ POINTS = {
     "frozen_source_first_save": (
         lambda: kill_on_call(module_io, "write_module_files", lambda c, a: "frozen" in str(a)), {}),
     "async_in_flight": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10), {"save_async": True}),
-    "async_shards_in_flight": (lambda: kill_on_call(files, "save_module_state", at_ckpt10, before=False),
+    "async_shards_in_flight": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10, before=False),
                                {"save_async": True}),
     "async_before_marker": (lambda: kill_on_call(files, "write_marker", at_ckpt10), {"save_async": True}),
 }

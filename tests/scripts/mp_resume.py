@@ -1,5 +1,5 @@
 """2 gloo ranks: straight 10 steps vs 5 + resume 5 (same world size), for replicated and sharded LLMs, and a
-resume of a 1-rank checkpoint (1 -> 2). Rank 0 writes OUT_DIR/resume_<layout>.pt.
+resume of a 1-rank checkpoint (1 -> 2); every resume with unpickling refused (tests/no_pickle.py). Rank 0 writes OUT_DIR/resume_<layout>.pt.
 
 Usage: mp_resume.py OUT_DIR [ONE_RANK_CHECKPOINT_DIR]"""
 
@@ -12,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import step_losses  # noqa: E402
 from mp_scenarios import full_state_dict  # noqa: E402
+from no_pickle import no_unpickling  # noqa: E402
 from resume_scenario import LAYOUTS, make_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -33,12 +34,14 @@ def main(out_dir, one_rank_dir=None):
         first = make_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, callbacks=[StopAt(5)])
         first.train()
         second = make_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, seed=5)
-        second.train(resume_from_checkpoint=True)
+        with no_unpickling():  # resume reads safetensors and JSON only, at every rank
+            second.train(resume_from_checkpoint=True)
         results[layout] = {"straight": (step_losses(straight), full_state_dict(straight.model)),
                            "resumed": (step_losses(second), full_state_dict(second.model))}
         if one_rank_dir:  # 1 -> 2: the 1-rank run's step-5 checkpoint, the same global batch
             grown = make_trainer(os.path.join(one_rank_dir, layout), layout, per_device=4, seed=5)
-            grown.train(resume_from_checkpoint=True)
+            with no_unpickling():
+                grown.train(resume_from_checkpoint=True)
             results[layout]["grown"] = (step_losses(grown), full_state_dict(grown.model))
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "resume.pt"))

@@ -1,0 +1,186 @@
+"""One module's resume state, `<module>/state/`, none of it pickled:
+
+    shard-<rank>-model-00001-of-00001.safetensors   optimizer tensors and the module tensors its HF files cannot serve
+                                                    as is, through DCP's `HuggingFaceStorageWriter`: every rank
+                                                    writes its own shard, its offsets in the safetensors header
+    optimizer.json                                  param groups and non-tensor per-parameter values (rank 0)
+    scheduler.json                                  the scheduler's `state_dict()` (rank 0)
+
+Why: DCP's default layout keeps its metadata in a pickle (`.metadata`), so resuming a downloaded checkpoint could
+run code. Here what a load reads is safetensors headers and JSON: DCP's `HuggingFaceStorageReader` rebuilds the
+metadata from the headers and still reshards at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+STATE = "state"
+OPTIMIZER = "optimizer.json"
+SCHEDULER = "scheduler.json"
+
+
+def make_stager():
+    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
+    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=gpu))
+
+
+def _writer(state_dir: str):
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    return HuggingFaceStorageWriter(state_dir, save_distributed=True)
+
+
+def _reader(state_dir: str):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(state_dir)
+
+
+def _json_value(value, where: str):
+    """A param-group or per-parameter value as JSON: tuples become lists, one-element tensors numbers."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{where}: a tensor of shape {tuple(value.shape)} outside the per-parameter state "
+                            "cannot be saved")
+        return value.item()
+    if isinstance(value, tuple):
+        return [_json_value(v, where) for v in value]
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {type(value).__name__} value {value!r} is not JSON") from None
+    return value
+
+
+def _like(value, template):
+    """A JSON value back in the type the live optimizer holds at that place."""
+    if isinstance(template, torch.Tensor):
+        return torch.tensor(value, dtype=template.dtype, device=template.device)
+    if isinstance(template, tuple):
+        return tuple(value)
+    return value
+
+
+def _split(optim_state: dict, where: str) -> tuple[dict, dict]:
+    """(per-parameter tensors, JSON for the rest) of `get_optimizer_state_dict`'s output."""
+    tensors = {fqn: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
+               for fqn, s in optim_state["state"].items()}
+    scalars = {fqn: {k: _json_value(v, f"{where}: optimizer state {fqn}.{k}") for k, v in s.items()
+                     if not isinstance(v, torch.Tensor)}
+               for fqn, s in optim_state["state"].items()}
+    groups = [{k: (v if k == "params" else _json_value(v, f"{where}: param group {i} {k!r}")) for k, v in g.items()}
+              for i, g in enumerate(optim_state["param_groups"])]
+    return tensors, {"state": scalars, "param_groups": groups}
+
+
+def optimizer_state(module, optimizer, folder: str) -> tuple[dict, dict]:
+    """(per-parameter tensors, JSON-able rest) of one module's optimizer, keyed by parameter name (every rank its
+    own shards of a sharded module)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return _split(get_optimizer_state_dict(module, optimizer), os.path.join(folder, STATE))
+
+
+def save_json(value, folder: str, name: str) -> None:
+    """`state/<name>` (rank 0): `optimizer.json` (the JSON half of `optimizer_state`) or any small state."""
+    os.makedirs(os.path.join(folder, STATE), exist_ok=True)
+    with open(os.path.join(folder, STATE, name), "w") as f:
+        json.dump(value, f)
+
+
+def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, executor=None,
+                       group=None):
+    """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
+    Async (`stager`): the tensors are copied now, then written by `executor` — one background thread for every
+    module, in the same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any
+    training backend); returns the future."""
+    import torch.distributed.checkpoint as dcp
+
+    state_dir = os.path.join(folder, STATE)
+    os.makedirs(state_dir, exist_ok=True)
+    state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors}
+    if stager is None:
+        dcp.save(state, storage_writer=_writer(state_dir))
+        return None
+    staged = stager.stage(state)
+    return executor.submit(dcp.save, staged, storage_writer=_writer(state_dir), process_group=group)
+
+
+def save_scheduler(scheduler, folder: str) -> None:
+    """The module's scheduler state in `state/` as JSON (rank 0)."""
+    save_json(_json_value(scheduler.state_dict(), f"scheduler {type(scheduler).__name__}"), folder, SCHEDULER)
+
+
+def state_keys(folder: str) -> list[str]:
+    """The sorted tensor keys a module's `state/` holds, read from the safetensors headers (DCP's flattened names:
+    `optimizer.state.<param>.<name>`, `tensors.<name>`)."""
+    return sorted(_reader(os.path.join(folder, STATE)).read_metadata().state_dict_metadata)
+
+
+def load_module_tensors(folder: str, tensors: dict) -> None:
+    """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
+    import torch.distributed.checkpoint as dcp
+
+    if tensors:
+        dcp.load({"tensors": tensors}, storage_reader=_reader(os.path.join(folder, STATE)))
+
+
+def read_state_json(folder: str) -> tuple[dict, dict]:
+    """(`optimizer.json`, `scheduler.json`) of a module's `state/`, read on every rank before any collective: a rank
+    that cannot read them fails alone, and the checkpointer's agreement tells every rank."""
+    state_dir = os.path.join(folder, STATE)
+    out = []
+    for name, kind in ((OPTIMIZER, {"state": dict, "param_groups": list}), (SCHEDULER, {})):
+        path = os.path.join(state_dir, name)
+        try:
+            with open(path) as f:
+                value = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+        if not isinstance(value, dict) or any(not isinstance(value.get(k), t) for k, t in kind.items()):
+            raise ValueError(f"{path} is not an hf_omni {name}")
+        out.append(value)
+    return out[0], out[1]
+
+
+def load_module_state(module, optimizer, scheduler, folder: str, tensors: dict, saved: tuple[dict, dict]) -> None:
+    """Read back `save_module_state`: `tensors` in place, the optimizer (resharded by DCP at another world size;
+    parameters that had no state when saved — never stepped, e.g. unused by the forward — get none), scheduler.
+    `saved`: `read_state_json(folder)`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+    )
+
+    state_dir = os.path.join(folder, STATE)
+    rest, scheduler_state = saved
+    optim_state = get_optimizer_state_dict(module, optimizer)
+    live_groups = optim_state["param_groups"]
+    if [g.get("params") for g in rest["param_groups"]] != [g["params"] for g in live_groups]:
+        raise ValueError(f"{state_dir}/{OPTIMIZER}: its param groups hold other parameters than this module's "
+                         "optimizer (another model, or another weight-decay split)")
+    stateless = [fqn for fqn in optim_state["state"] if fqn not in rest["state"]]
+    for fqn in stateless:
+        del optim_state["state"][fqn]
+    optim_tensors, _ = _split(optim_state, state_dir)
+    loaded = {"optimizer": {"state": optim_tensors}, "tensors": tensors}
+    dcp.load(loaded, storage_reader=_reader(state_dir))
+    for fqn, values in optim_state["state"].items():
+        values.update(loaded["optimizer"]["state"][fqn])
+        values.update({k: _like(v, values.get(k)) for k, v in rest["state"][fqn].items()})
+    for live, saved_group in zip(live_groups, rest["param_groups"]):
+        live.update({k: _like(v, live.get(k)) for k, v in saved_group.items() if k != "params"})
+    set_optimizer_state_dict(module, optimizer, optim_state, options=StateDictOptions(strict=not stateless))
+    params = dict(module.named_parameters())
+    for fqn in stateless:  # as in the saved run: no state until their first gradient
+        optimizer.state.pop(params[fqn], None)
+    scheduler.load_state_dict(scheduler_state)
