@@ -168,10 +168,13 @@ def test_plugin_save_and_load_state_in_a_custom_loop(tmp_path):
         model(**batch).loss.backward()
         plugin.clip_grad_norm_()
         optimizer.step(), scheduler.step(), optimizer.zero_grad()
+    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)  # fp16's, shared
     plugin.save_state(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / MARKER).exists() and (tmp_path / "ckpt" / "config.json").exists()
     other, other_model, other_optimizer, other_scheduler = prepared(4)
+    other_optimizer.scaler = torch.amp.GradScaler("cpu")
     other.load_state(str(tmp_path / "ckpt"))
+    assert other_optimizer.scaler.get_scale() == 512.0 and other_optimizer.scaler.get_growth_interval() == 7
     assert_state_close(other_model.state_dict(), model.state_dict(), atol=0)
     assert other_scheduler.get_last_lr() == scheduler.get_last_lr()
     for name, opt in optimizer.optimizers.items():
