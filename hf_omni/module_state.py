@@ -1,10 +1,10 @@
 """One module's resume state, `<module>/state/`, none of it pickled:
 
-    shard-<rank>-model-00001-of-00001.safetensors   optimizer tensors and the module tensors its HF files cannot serve
-                                                    as is, through DCP's `HuggingFaceStorageWriter`: every rank
-                                                    writes its own shard, its offsets in the safetensors header
-    optimizer.json                                  param groups and non-tensor per-parameter values (rank 0)
-    scheduler.json                                  the scheduler's `state_dict()` (rank 0)
+    shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is,
+                                          through DCP (`shard_writer.ShardWriter`): every rank writes its own
+                                          shards, their offsets in the safetensors header
+    optimizer.json                        param groups and non-tensor per-parameter values (rank 0)
+    scheduler.json                        the scheduler's `state_dict()` (rank 0)
 
 Why: DCP's default layout keeps its metadata in a pickle (`.metadata`), so resuming a downloaded checkpoint could
 run code. Here what a load reads is safetensors headers and JSON: DCP's `HuggingFaceStorageReader` rebuilds the
@@ -33,10 +33,13 @@ def make_stager():
                                         use_non_blocking_copy=gpu))
 
 
-def _writer(state_dir: str):
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+WRITER_THREADS = 2  # files (and threads) per rank and module: bench/checkpoint.py measured 1, 2 and 4
 
-    return HuggingFaceStorageWriter(state_dir, save_distributed=True)
+
+def _writer(state_dir: str):
+    from .shard_writer import ShardWriter
+
+    return ShardWriter(state_dir, threads=WRITER_THREADS)
 
 
 def _reader(state_dir: str):
