@@ -21,6 +21,7 @@ from .config import OmniConfig, module_folder
 from .dist import agreed, checkpoint_group, is_main
 from .module_io import save_module
 from .parallel import full_state_dict
+from .save_pipeline import SavePipeline
 from .weights import file_layout, module_tensors, read_into, read_through_transformers
 
 
@@ -43,7 +44,7 @@ class ModuleCheckpointer:
         self.model, self.trainable = model, list(trainable)
         self.output_dir, self.save_async = output_dir, save_async
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
-        self._executor = None
+        self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
         self._stagers: dict = {}  # module -> DCP stager reused by async saves
         self._exit_hook = False
         self._unmapped: dict[str, frozenset[str]] = {}
@@ -77,16 +78,16 @@ class ModuleCheckpointer:
                     os.remove(stale)
                     files.fsync_dir(directory)
         self.write_frozen_sources()
-        futures = []
+        pipeline = self.pipeline
+        if pipeline is not None:
+            pipeline.begin([getattr(self.model, name) for name in self.trainable])
         for name in self.trainable:
             module = getattr(self.model, name)
             folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
             state = full_state_dict(module)
             with agreed(f"module {name!r}: writing {folder}", self.group):
                 if is_main():
-                    written = save_module(module, folder, state, self.model.processors.get(name),
-                                          executor=self._writer() if self.save_async else None)
-                    futures += [written] if written is not None else []
+                    save_module(module, folder, state, self.model.processors.get(name), pipeline=pipeline)
             if weights_only:
                 continue
             optim_tensors, optim_rest = module_state.optimizer_state(module, optimizer.optimizers[name], folder)
@@ -95,22 +96,26 @@ class ModuleCheckpointer:
                 if is_main():
                     module_state.save_json(optim_rest, folder, module_state.OPTIMIZER)
                     module_state.save_scheduler(scheduler.schedulers[name], folder)
-            stager = self._stagers.setdefault(name, module_state.make_stager()) if self.save_async else None
-            future = module_state.save_state_tensors(folder, optim_tensors, self._unmapped_tensors(name),
-                                                     stager=stager, group=self.async_group,
-                                                     executor=self._writer() if self.save_async else None)
-            futures += [future] if future is not None else []
+            stager = self._stagers.setdefault(name, module_state.make_stager()) if pipeline is not None else None
+            module_state.save_state_tensors(folder, optim_tensors, self._unmapped_tensors(name), stager=stager,
+                                            pipeline=pipeline, group=self.async_group)
         with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):
             if is_main():
                 self.model.write_config(directory)
                 if not weights_only:
                     files.save_scaler(optimizer.scaler, directory)
+        futures = [pipeline.start()] if pipeline is not None else []
         self._pending = (directory, step, futures, not weights_only)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
             self._exit_hook = True
         if write_marker and not self.save_async:
             self.wait()
+
+    def fence(self) -> None:
+        """Before an optimizer step: the async save in flight has copied what it writes."""
+        if self.pipeline is not None:
+            self.pipeline.fence()
 
     def wait(self) -> None:
         """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
@@ -131,17 +136,8 @@ class ModuleCheckpointer:
         for stager in self._stagers.values():
             stager.close()
         self._stagers.clear()
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
-
-    def _writer(self):
-        """The one background thread that writes every module's files and shards during an async save, in order."""
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_omni_save")
-        return self._executor
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def write_frozen_sources(self) -> None:
         """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,

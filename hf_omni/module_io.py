@@ -111,10 +111,10 @@ def processor_kind(processor: Any) -> str:
 
 
 def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
-                merge_lora: bool = False, executor=None):
+                merge_lora: bool = False, pipeline=None) -> None:
     """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them), from its full
-    `state` (`parallel.full_state_dict`, gathered on every rank; the main process calls this). With an
-    `executor`, the tensors are copied now and written in the background: returns the future."""
+    `state` (`parallel.full_state_dict`, gathered on every rank; the main process calls this). With a `pipeline`
+    (`save_pipeline.SavePipeline`, async saves), the tensors are snapshotted and the files written in its thread."""
     lora = lora_config_of(module)
     if lora is not None and merge_lora:
         module, lora = merged_module(module, state), None
@@ -122,14 +122,15 @@ def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
     else:
         weights = base_state_dict(state)
     adapter = adapter_state_dict(module, state) if lora is not None else None
-    copy = executor is not None  # training goes on while the files are written: write a snapshot
-    weights, adapter = (on_cpu(t, copy) if t is not None else None for t in (weights, adapter))
-    write = lambda: write_module_files(module, folder, weights, lora, adapter, processor)  # noqa: E731
-    return executor.submit(write) if executor is not None else write()
+    if pipeline is None:
+        weights, adapter = (on_cpu(t) if t is not None else None for t in (weights, adapter))
+        return write_module_files(module, folder, weights, lora, adapter, processor)
+    weights, adapter = (pipeline.snapshot(t) if t is not None else (lambda: None) for t in (weights, adapter))
+    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor))
 
 
-def on_cpu(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
-    return {k: (v.detach().to("cpu", copy=copy)).contiguous() for k, v in tensors.items()}
+def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
 
 def write_module_files(module, folder, weights, lora, adapter, processor) -> None:

@@ -24,8 +24,8 @@ SCHEDULER = "scheduler.json"
 
 
 def make_stager():
-    """A DCP stager for async saves, kept per module: it copies the state before `save_state` returns (training may
-    then change it) into buffers it reuses from one save to the next (no fresh allocation on every save)."""
+    """A DCP stager for async saves, kept per module: it copies the state before the next optimizer step changes
+    it, into buffers it reuses from one save to the next (no fresh allocation on every save)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     gpu = torch.cuda.is_available()
@@ -100,22 +100,23 @@ def save_json(value, folder: str, name: str) -> None:
         json.dump(value, f)
 
 
-def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, executor=None,
-                       group=None):
+def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, pipeline=None,
+                       group=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
-    Async (`stager`): the tensors are copied now, then written by `executor` — one background thread for every
-    module, in the same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any
-    training backend); returns the future."""
+    Async (`pipeline`, `save_pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
+    optimizer step, into buffers it reuses from one save to the next; the write follows in the same thread, in the
+    same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
+    backend)."""
     import torch.distributed.checkpoint as dcp
 
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
     state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors}
-    if stager is None:
+    if pipeline is None:
         dcp.save(state, storage_writer=_writer(state_dir))
-        return None
-    staged = stager.stage(state)
-    return executor.submit(dcp.save, staged, storage_writer=_writer(state_dir), process_group=group)
+        return
+    staged = pipeline.stage(stager, state)
+    pipeline.then(lambda: dcp.save(staged(), storage_writer=_writer(state_dir), process_group=group))
 
 
 def save_scheduler(scheduler, folder: str) -> None:

@@ -107,6 +107,7 @@ class ModuleOptimizers:
         self.params = dict(params)
         self.scaler = scaler
         self.unscaled = False
+        self.before_step = None  # an async save in flight: wait until it copied the state this step changes
 
     def unscale_(self) -> None:
         if self.scaler is not None and not self.unscaled:
@@ -125,6 +126,8 @@ class ModuleOptimizers:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ModuleOptimizers.step does not take a closure")
+        if self.before_step is not None:
+            self.before_step()
         if self.scaler is None:
             for opt in self.optimizers.values():
                 opt.step()

@@ -122,6 +122,7 @@ class OmniPlugin:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.trainable, self.module_args, self.args,
                                                           num_training_steps, self.scaler)
+        self.optimizer.before_step = self.checkpointer.fence
 
     # -- the training step ----------------------------------------------------------------------
     def no_sync(self):
@@ -149,8 +150,9 @@ class OmniPlugin:
                    weights_only: bool = False) -> None:
         """Every rank: module folders (HF files + `state/` with DCP optimizer shards and the scheduler), the root
         `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
-        With `save_async`, files are written in the background and the marker waits for the next save or
-        `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
+        With `save_async`, tensors are copied and files written in the background (the next optimizer step waits
+        for the copies: change parameters only through this plugin's optimizer until then, or call
+        `wait_for_save()` first) and the marker waits for the next save or `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
         self.checkpointer.save(directory, self.optimizer, self.scheduler, step=step, write_marker=write_marker,
                                weights_only=weights_only)
 

@@ -22,6 +22,9 @@ import hf_omni.checkpoint_files as files  # noqa: E402
 import hf_omni.cli  # noqa: E402
 import hf_omni.module_io as module_io  # noqa: E402
 import hf_omni.module_state as module_state  # noqa: E402
+import hf_omni.save_pipeline as save_pipeline  # noqa: E402
+import hf_omni.shard_writer as shard_writer  # noqa: E402
+from hf_omni.checkpoint import ModuleCheckpointer  # noqa: E402
 from hf_omni.modeling import OmniModel  # noqa: E402
 from hf_omni.trainer import OmniTrainer  # noqa: E402
 
@@ -93,6 +96,21 @@ def rotation_cut_short():
     shutil.rmtree = rmtree
 
 
+def in_writer_thread_of_ckpt10():
+    """SIGKILL at the first tensor the background thread copies for checkpoint-10 (the loop has gone on)."""
+    import threading
+
+    saving, original = [None], ModuleCheckpointer.save
+
+    def save(self, directory, *args, **kwargs):
+        saving[0] = directory
+        return original(self, directory, *args, **kwargs)
+
+    ModuleCheckpointer.save = save
+    kill_on_call(save_pipeline, "copy_to_cpu", lambda call, args: "checkpoint-10" in str(saving[0])
+                 and threading.current_thread().name.startswith("hf_omni_save"))
+
+
 def marker_tmp_then_kill():
     def write_marker(directory, info):
         if "checkpoint-10" in directory:
@@ -125,7 +143,9 @@ POINTS = {
     "frozen_source_first_save": (
         lambda: kill_on_call(module_io, "write_module_files", lambda c, a: "frozen" in str(a)), {}),
     "async_in_flight": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10), {"save_async": True}),
-    "async_shards_in_flight": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10, before=False),
+    "async_staging": (in_writer_thread_of_ckpt10, {"save_async": True}),
+    "async_shards_in_flight": (lambda: kill_on_call(shard_writer.ShardWriter, "write_data",
+                                                    lambda call, args: "checkpoint-10" in str(args[0].path)),
                                {"save_async": True}),
     "async_before_marker": (lambda: kill_on_call(files, "write_marker", at_ckpt10), {"save_async": True}),
 }
