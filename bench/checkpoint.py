@@ -116,16 +116,19 @@ def accelerate_setup():
 
 
 def main(root: str):
+    from hf_omni.checkpoint_files import marker_info
+
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     rows = {"omni_save": [], "omni_load": [], "acc_save": [], "acc_load": [], "first_blocked": [], "blocked": [],
-            "first_slowed": [], "slowed": [], "sync_save": []}
+            "first_slowed": [], "slowed": [], "sync_save": [], "sha256": []}
     plugin, model, optimizer = omni_setup(os.path.join(root, "omni_run"), save_async=False)
     accelerator, acc_model, acc_optimizer = accelerate_setup()
     for i in range(ROUNDS):
         ours, theirs = os.path.join(root, f"omni_{i}"), os.path.join(root, f"acc_{i}")
         rows["omni_save"].append(timed(lambda: plugin.save_state(ours)))
         rows["omni_load"].append(timed(lambda: plugin.load_state(ours)))
+        rows["sha256"].append(timed(lambda: marker_info(ours, 0, [], digests=True)))  # verify_checkpoint's cost
 
         def accelerate_save():
             accelerator.save_state(os.path.join(theirs, "state"))
@@ -174,6 +177,8 @@ def main(root: str):
     print(f"| load (s) | {med['omni_load']:.2f} | {med['acc_load']:.2f} | {med['omni_load'] / med['acc_load']:.2f} "
           "| <= 1.0 |")
     print(f"| bytes (MB) | {omni_bytes / 1e6:.0f} | {acc_bytes / 1e6:.0f} | {omni_bytes / acc_bytes:.2f} | <= 1.0 |")
+    print(f"| verify_checkpoint: sha256 of every file, added to save and to load (s) | {med['sha256']:.2f} | - | "
+          f"{med['sha256'] / med['omni_load']:.1f} x load | - |")
     for key, label, goal in (("first_blocked", "loop blocked (save_state + fence) / sync save, first save", "<= 0.10"),
                              ("blocked", "loop blocked (save_state + fence) / sync save, later saves", "<= 0.10"),
                              ("first_slowed", "next step slowed by the writer sharing the CPU, first save", "-"),

@@ -40,9 +40,9 @@ class ModuleCheckpointer:
     """Per-module checkpoints of `model`: `trainable` modules write a folder each; frozen ones are recorded by
     source (a module built in memory is written once to `<output_dir>/frozen/<module>/`)."""
 
-    def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool):
+    def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool, verify: bool = False):
         self.model, self.trainable = model, list(trainable)
-        self.output_dir, self.save_async = output_dir, save_async
+        self.output_dir, self.save_async, self.verify = output_dir, save_async, verify
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
         self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
         self._stagers: dict = {}  # module -> DCP stager reused by async saves
@@ -128,7 +128,8 @@ class ModuleCheckpointer:
                 future.result()
         with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
             if is_main():
-                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable))
+                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable,
+                                                                digests=self.verify))
 
     def close(self) -> None:
         """Finish the save in flight (marker included), release the staging buffers and the writer thread."""
@@ -161,7 +162,7 @@ class ModuleCheckpointer:
     def check(self, directory: str) -> dict:
         """Every check of a checkpoint against this model, before anything is loaded (names the module and
         parameter that differ)."""
-        marker = files.check_complete(directory)
+        marker = files.check_complete(directory, verify=self.verify and is_main())  # agreed on by every rank
         if marker.get("resumable") is False:
             raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
                              "optimizer state; it cannot be resumed (load it with from_pretrained)")

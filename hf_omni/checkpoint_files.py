@@ -68,9 +68,17 @@ def read_marker(directory: str) -> dict | None:
         return json.load(f)
 
 
-def check_complete(directory: str) -> dict:
+def sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_complete(directory: str, verify: bool | None = False) -> dict:
     """The marker of a complete checkpoint; a clear error for a missing path, a missing or malformed marker, a
-    missing or truncated file, or a file the marker does not list."""
+    missing or truncated file, or a file the marker does not list. `verify`: every file's sha256 too (a change that
+    keeps the size); None: when the marker has them."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint {directory} does not exist")
     try:
@@ -96,6 +104,15 @@ def check_complete(directory: str) -> dict:
         if os.path.getsize(path) != size:
             raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
                              f"{size} were written")
+    if verify or (verify is None and "sha256" in marker):
+        digests = marker.get("sha256")
+        if not isinstance(digests, dict) or set(digests) != set(marker["files"]):
+            raise ValueError(f"checkpoint {directory} has no sha256 of its files to verify (saved without "
+                             "verify_checkpoint)")
+        for rel, digest in sorted(digests.items()):
+            if sha256(os.path.join(directory, rel)) != digest:
+                raise ValueError(f"checkpoint {directory}: file {rel} does not match its sha256 (changed after the "
+                                 "save)")
     return marker
 
 
@@ -153,7 +170,11 @@ def load_scaler(scaler, directory: str) -> None:
             scaler.load_state_dict(json.load(f))
 
 
-def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True) -> dict:
+def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True,
+                digests: bool = False) -> dict:
     files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
-    return {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files,
+    info = {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files,
             "resumable": resumable}
+    if digests:
+        info["sha256"] = {rel: sha256(os.path.join(directory, rel)) for rel in files}
+    return info

@@ -112,7 +112,8 @@ class OmniPlugin:
                                        fsdp_scope=self.args.fsdp_scope, model_fsdp=model_fsdp)
         model.prepared = self.wrapping
         self.model = model
-        self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async)
+        self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async,
+                                               verify=self.args.verify_checkpoint)
         self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
         self.build_optimizers(num_training_steps)
         model.train()

@@ -91,7 +91,7 @@ class OmniTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            checkpoint_files.check_complete(str(resume_from_checkpoint))
+            checkpoint_files.check_complete(str(resume_from_checkpoint))  # digests: by the plugin's load, on rank 0
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self.plugin.close()  # an async save still in flight gets its marker; staging buffers released

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
 from hf_omni.checkpoint_files import MARKER
+from hf_omni.cli import export
 
 MODULES = {
     "vision": {"trainable": False},
@@ -248,3 +249,22 @@ def test_save_only_model_writes_module_folders_without_state_and_is_not_resumabl
             assert torch.equal(value, loaded[key]), key
     with pytest.raises(ValueError, match="saved with save_only_model.*cannot be resumed"):
         run(tmp_path, resume=str(ckpt))
+
+
+def test_verify_checkpoint_catches_a_change_that_keeps_the_size(tmp_path):
+    run(tmp_path / "plain", steps=5)
+    run(tmp_path / "verified", steps=5, verify_checkpoint=True)
+    ckpt = tmp_path / "verified" / "checkpoint-5"
+    marker = json.loads((ckpt / MARKER).read_text())
+    assert set(marker["sha256"]) == set(marker["files"]) and "llm/optimizer.json" not in marker["files"]
+    shard = next((ckpt / "llm" / "state").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # a flipped bit inside a tensor: same size, loads without complaint unless verified
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"file llm/state/shard-.*\.safetensors does not match its sha256"):
+        run(tmp_path / "verified", steps=10, resume=str(ckpt), verify_checkpoint=True)
+    with pytest.raises(ValueError, match="does not match its sha256"):  # an export checks what was recorded
+        export(str(ckpt), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="has no sha256 of its files to verify"):
+        run(tmp_path / "plain", steps=10, resume=str(tmp_path / "plain" / "checkpoint-5"), verify_checkpoint=True)
