@@ -13,6 +13,7 @@ state through `rng.py`; a custom loop uses `accelerator.save_state`).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 
 from . import checkpoint_files as files
@@ -104,7 +105,7 @@ class ModuleCheckpointer:
                 self.model.write_config(directory)
                 if not weights_only:
                     files.save_scaler(optimizer.scaler, directory)
-        futures = [pipeline.start()] if pipeline is not None else []
+        futures = pipeline.start(self.async_group) if pipeline is not None else []
         self._pending = (directory, step, futures, not weights_only)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
@@ -123,6 +124,7 @@ class ModuleCheckpointer:
             return
         directory, step, futures, resumable = self._pending
         self._pending = None
+        concurrent.futures.wait(futures)  # every job done (a failed one does not stop the later ones)
         with agreed(f"writing checkpoint {directory}", self.group):
             for future in futures:
                 future.result()

@@ -126,7 +126,8 @@ def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
         weights, adapter = (on_cpu(t) if t is not None else None for t in (weights, adapter))
         return write_module_files(module, folder, weights, lora, adapter, processor)
     weights, adapter = (pipeline.snapshot(t) if t is not None else (lambda: None) for t in (weights, adapter))
-    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor))
+    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor),
+                  f"writing {folder}")
 
 
 def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

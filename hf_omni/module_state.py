@@ -116,7 +116,8 @@ def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stag
         dcp.save(state, storage_writer=_writer(state_dir))
         return
     staged = pipeline.stage(stager, state)
-    pipeline.then(lambda: dcp.save(staged(), storage_writer=_writer(state_dir), process_group=group))
+    pipeline.then(lambda: dcp.save(staged(), storage_writer=_writer(state_dir), process_group=group),
+                  f"writing {state_dir}")
 
 
 def save_scheduler(scheduler, folder: str) -> None:

@@ -153,7 +153,8 @@ class OmniPlugin:
         `config.json`, then — after every rank finished every module — `hf_omni_checkpoint.json`, atomically.
         With `save_async`, tensors are copied and files written in the background (the next optimizer step waits
         for the copies: change parameters only through this plugin's optimizer until then, or call
-        `wait_for_save()` first) and the marker waits for the next save or `wait_for_save()`. RNG and data position stay the loop's (e.g. `accelerator.save_state`)."""
+        `wait_for_save()` first) and the marker waits for the next save or `wait_for_save()`. RNG and data
+        position stay the loop's (e.g. `accelerator.save_state`)."""
         self.checkpointer.save(directory, self.optimizer, self.scheduler, step=step, write_marker=write_marker,
                                weights_only=weights_only)
 

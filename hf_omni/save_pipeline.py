@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .dist import agreed
+
 
 def storage_of(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -27,11 +29,25 @@ def copy_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
+class BackgroundWriteError(RuntimeError):
+    """A write of an async save failed in the background thread: names the module and folder."""
+
+
+def named(what: str, write: Callable[[], None]) -> Callable[[], None]:
+    def job():
+        try:
+            write()
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            raise BackgroundWriteError(f"{what}: {type(err).__name__}: {err}") from err
+
+    return job
+
+
 class SavePipeline:
     def __init__(self):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._copies: list[Callable[[], None]] = []
-        self._writes: list[Callable[[], None]] = []
+        self._writes: list[tuple[str, Callable[[], None]]] = []
         self._staged: concurrent.futures.Future | None = None
         self._params: set[int] = set()
         self._buffers: set[int] = set()
@@ -72,28 +88,30 @@ class SavePipeline:
         self._copies.append(lambda: staged.update(value=stager.stage(state)))
         return lambda: staged["value"]
 
-    def then(self, write: Callable[[], None]) -> None:
-        """A write of this save, after every copy, in order."""
-        self._writes.append(write)
+    def then(self, write: Callable[[], None], what: str) -> None:
+        """A write of this save (`what` names it in errors), after every copy, in order."""
+        self._writes.append((what, write))
 
-    def start(self) -> concurrent.futures.Future:
-        """Run this save's copies, then its writes, in the background. Returns the future of the whole save."""
-        copies, writes = self._copies, self._writes
-        staged: concurrent.futures.Future = concurrent.futures.Future()
+    def start(self, group=None) -> list[concurrent.futures.Future]:
+        """Run this save's copies, then its writes, in the background; returns their futures. After the copies every
+        rank agrees (on `group`) that every rank copied, so no rank starts a write whose collectives another rank
+        would never join; each write is its own job, so one that fails (rank 0's HF files) does not keep the later
+        ones (every rank's shards, with their collectives) from running."""
+        copies, staged = self._copies, concurrent.futures.Future()
         self._staged = staged
 
-        def run():
+        def copy_all():
             try:
-                for copy in copies:
-                    copy()
+                with agreed("copying the state of an async save", group):
+                    for copy in copies:
+                        copy()
             finally:
                 staged.set_result(None)
-            for write in writes:
-                write()
 
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_omni_save")
-        return self._executor.submit(run)
+        futures = [self._executor.submit(copy_all)]
+        return futures + [self._executor.submit(named(what, write)) for what, write in self._writes]
 
     def fence(self) -> None:
         """Block until the save in flight has copied what it writes (errors surface at the save's own wait)."""

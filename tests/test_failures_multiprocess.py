@@ -66,3 +66,19 @@ def test_a_rank_failing_alone_fails_every_rank_with_the_same_error(tmp_path, lau
                            gradient_accumulation_steps=1)
     resumed.train(resume_from_checkpoint=True)  # the newest complete checkpoint, at one process
     assert resumed.state.global_step == 6 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+def test_an_async_write_failing_on_one_rank_fails_every_rank(tmp_path):
+    """Rank 0's HF files fail in its background thread: the later writes (every rank's shards, whose collectives
+    rank 1 waits in) still run, and both ranks raise the same error at the next save."""
+    start = time.monotonic()
+    codes = as_plain_processes("write_async", tmp_path, 29594)
+    assert all(code != 0 for code in codes) and time.monotonic() - start < 60
+    first, second = errors(tmp_path)
+    assert first == second, (first, second)
+    assert first.startswith("RankFailure: writing checkpoint ") and "checkpoint-4 failed on rank 0" in first
+    assert "BackgroundWriteError: writing " in first and "checkpoint-4/projector: OSError" in first
+    assert "No space left on device" in first and "model.safetensors" in first
+    run = tmp_path / "run"
+    assert newest_complete_checkpoint(str(run)) == str(run / "checkpoint-2")
+    assert not (run / "checkpoint-4" / MARKER).exists()

@@ -41,9 +41,10 @@ def fail_reading_on_rank1():
 def main(mode: str, out_dir: str):
     rank = os.environ.get("RANK", "0")
     try:
-        if mode == "write":
+        if mode in ("write", "write_async"):  # async: the write fails in rank 0's background thread
             fail_writing_on_rank0_at_step4()
-            make_trainer(os.path.join(out_dir, "run"), max_steps=6, save_steps=2, save_total_limit=None).train()
+            make_trainer(os.path.join(out_dir, "run"), max_steps=6, save_steps=2, save_total_limit=None,
+                         save_async=mode == "write_async").train()
         else:
             fail_reading_on_rank1()
             make_trainer(os.path.join(out_dir, "run"), max_steps=6, save_steps=2).train(
