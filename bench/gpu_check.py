@@ -13,6 +13,7 @@ when the losses disagree.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import sys
@@ -100,7 +101,8 @@ def main():
     if cuda:  # every rank trains it; the LLM replicated here: the check is the scaler shared by the optimizers
         fp16_modules = {n: {**{k: v for k, v in m.items() if k != "fsdp_plugin"}, "parallel": "ddp"}
                         for n, m in MODULES.items()}
-        fp16 = train(fp16_model, train_set, cuda, fp16_modules, fp16=True)
+        fp16 = train(fp16_model, train_set, cuda, fp16_modules, fp16=True, output_dir="/tmp/hf_omni_gpu_check/fp16",
+                     save_strategy="steps", save_steps=STEPS)
     if not trainer.is_world_process_zero():
         return
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
@@ -115,6 +117,10 @@ def main():
         print(f"fp16: one GradScaler shared by {sorted(fp16[0].plugin.optimizer.optimizers)}: {scaler is not None}, "
               f"final scale {scaler.get_scale() if scaler else None}")
         ok = report("Trainer fp16, shared GradScaler", fp16[1], reference) and scaler is not None and ok
+        with open(f"/tmp/hf_omni_gpu_check/fp16/checkpoint-{STEPS}/scaler.json") as f:  # resumes with its scale
+            saved_scale = json.load(f)["scale"]
+        print(f"fp16 checkpoint: scaler.json scale {saved_scale}")
+        ok = ok and saved_scale == scaler.get_scale()
     sys.exit(0 if ok else 1)
 
 
