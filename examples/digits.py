@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
-from hf_omni import OmniModel, Projector, ProjectorConfig
+from hf_omni import OmniModel, Projector, ProjectorConfig, offline_encoder
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SPECIAL = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
@@ -20,10 +20,15 @@ VOCAB = SPECIAL + PROMPT + DIGITS  # 19 words
 
 
 class Captioner(OmniModel):
-    """Image patches -> projector -> LM prefix; the caption tokens follow."""
+    """Image patches -> projector -> LM prefix; the caption tokens follow. The vision encoder's patches can come
+    from an offline cache (`offline_modules: [vision]`): `forward` then gets `image_features` instead of pixels."""
 
-    def forward(self, pixel_values, input_ids, labels=None, **kw):
-        feats = self.vision(pixel_values=pixel_values).last_hidden_state
+    @offline_encoder(module="vision", inputs=["pixel_values"], output="image_features")
+    def encode_image(self, pixel_values):
+        return self.vision(pixel_values=pixel_values).last_hidden_state
+
+    def forward(self, input_ids, pixel_values=None, image_features=None, labels=None, **kw):
+        feats = image_features if image_features is not None else self.encode_image(pixel_values)
         prefix = self.projector(feats)
         embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
         if labels is not None:  # no loss on the image prefix; the LM shifts the rest itself

@@ -1,6 +1,8 @@
 """The demo: train the digits captioner (ViT + Projector + Llama-style LM) with per-module settings.
 
-    python examples/train.py examples/configs/digits.yaml
+    python examples/train.py examples/configs/digits.yaml             # stage 1: every module from scratch
+    python examples/train.py examples/configs/digits_stage2.yaml      # stage 2: from stage 1's export, frozen
+                                                                      # vision served from its offline cache
     accelerate launch --multi_gpu --num_processes 2 examples/train.py examples/configs/digits.yaml
 
 Prints held-out caption accuracy and writes the per-module export (<output_dir>/config.json +
@@ -10,36 +12,44 @@ Prints held-out caption accuracy and writes the per-module export (<output_dir>/
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from transformers import HfArgumentParser  # noqa: E402
 
-from digits import build_model, caption_accuracy, load_splits  # noqa: E402
+from digits import Captioner, build_model, caption_accuracy, load_splits  # noqa: E402
 from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
 
 
-def parse_args(argv: list[str]) -> OmniTrainingArguments:
+@dataclass
+class DemoArguments:
+    init_from: str | None = field(default=None, metadata={"help": "Start from this export (stage 2)."})
+
+
+def parse_args(argv: list[str]) -> tuple[OmniTrainingArguments, DemoArguments]:
     """`train.py config.yaml [--key value ...]`: the file's values, overridden by any CLI flags after it."""
-    parser = HfArgumentParser(OmniTrainingArguments)
+    parser = HfArgumentParser((OmniTrainingArguments, DemoArguments))
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         import yaml
 
         with open(argv[0]) as f:
             parser.set_defaults(**yaml.safe_load(f))  # JSON is YAML too
         argv = argv[1:]
-    return parser.parse_args_into_dataclasses(args=argv)[0]
+    return tuple(parser.parse_args_into_dataclasses(args=argv))
 
 
 def main():
-    args = parse_args(sys.argv[1:])
-    model = build_model(seed=args.seed)
+    args, demo = parse_args(sys.argv[1:])
+    model = Captioner.from_pretrained(demo.init_from) if demo.init_from else build_model(seed=args.seed)
     train_set, held_out = load_splits(model.processors["llm"])
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     trainer.save_model()
+    if args.offline_modules:  # trained from the cache: the frozen encoder was never loaded; the export has it
+        model = Captioner.from_pretrained(args.output_dir).to(args.device)
     accuracy = caption_accuracy(model, held_out)  # every rank: sharded modules run collectives
     if trainer.is_world_process_zero():
         print(f"held-out caption accuracy: {accuracy:.1%} ({len(held_out)} images) after {args.max_steps} steps, "

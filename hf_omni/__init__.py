@@ -10,6 +10,7 @@ from .errors import OmniArgumentError
 from .module_arguments import ModuleArguments
 from .config import OmniConfig
 from .modeling import OmniModel
+from .offline import offline_encoder
 from .plugin import OmniPlugin
 from .projector import Projector, ProjectorConfig
 from .trainer import OmniTrainer
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
-    "OmniTrainingArguments", "Projector", "ProjectorConfig",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder",
 ]

@@ -44,6 +44,12 @@ class OmniTrainingArguments(TrainingArguments):
     verify_checkpoint: bool = field(default=False, metadata={
         "help": "Record every checkpoint file's sha256 in its marker, and check them before resuming."})
     merge_lora_on_export: bool = field(default=False, metadata={"help": "Merge LoRA into plain weights on export."})
+    offline_modules: list[str] | None = field(default=None, metadata={
+        "help": "Fully frozen modules whose @offline_encoder outputs are cached and fed to forward instead."})
+    offline_cache_dir: str | None = field(default=None, metadata={
+        "help": "Where offline caches live (default <output_dir>/offline_cache)."})
+    offline_cache: str = field(default="auto", metadata={
+        "help": "auto: a stale offline cache is recomputed | read_only: a stale or missing one is an error."})
 
     def __post_init__(self):
         self._refuse_global_settings()
@@ -93,9 +99,19 @@ class OmniTrainingArguments(TrainingArguments):
                                     "module's default; or per module under modules.<name>)")
 
     def _validate(self) -> None:
-        for name, choices in (("fsdp_scope", FSDP_SCOPES), ("grad_clip_scope", GRAD_CLIP_SCOPES)):
+        for name, choices in (("fsdp_scope", FSDP_SCOPES), ("grad_clip_scope", GRAD_CLIP_SCOPES),
+                              ("offline_cache", ("auto", "read_only"))):
             if getattr(self, name) not in choices:
                 raise OmniArgumentError(None, name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        if isinstance(self.offline_modules, str):
+            self.offline_modules = [self.offline_modules]
+        if self.offline_modules is not None:
+            check_type(None, "offline_modules", self.offline_modules, (list,))
+            if not all(isinstance(m, str) for m in self.offline_modules):
+                raise OmniArgumentError(None, "offline_modules", f"expected module names, got {self.offline_modules!r}")
+            if self.offline_modules and self.fsdp_scope == "model":
+                raise OmniArgumentError(None, "offline_modules", "fsdp_scope: model wraps every module, an offline "
+                                        "one (on the meta device) included: use fsdp_scope: module")
         for name, value in self.module_defaults().items():
             check_module_key(None, name, value)
         if self.modules is None:

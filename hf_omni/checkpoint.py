@@ -22,6 +22,7 @@ from .config import OmniConfig, module_folder
 from .dist import agreed, checkpoint_group, is_main
 from .module_io import save_module
 from .parallel import full_state_dict
+from .offline import is_released
 from .save_pipeline import SavePipeline
 from .weights import file_layout, module_tensors, read_into, read_through_transformers
 
@@ -35,6 +36,24 @@ def resume_weights_folders(model, directory: str) -> set[str]:
     for name in model.pending_weights:
         model.pending_weights[name] = module_folder(directory, config, name)
     return set(model.pending_weights)
+
+
+def write_frozen_source(model, name: str, output_dir: str | None, group) -> None:
+    """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
+    which becomes its recorded source (every rank calls this)."""
+    entry = model.config.module_entry(name)
+    if entry.get("source"):
+        return
+    if not output_dir:
+        raise ValueError(f"module {name!r} is frozen and was built in memory: saving it needs an output_dir "
+                         "(args.output_dir, or OmniPlugin(output_dir=...))")
+    folder = os.path.abspath(os.path.join(output_dir, "frozen", name))
+    module = getattr(model, name)
+    state = full_state_dict(module)
+    with agreed(f"module {name!r}: writing {folder}", group):
+        if is_main():
+            save_module(module, folder, state, model.processors.get(name))
+    entry["source"] = folder
 
 
 class ModuleCheckpointer:
@@ -143,22 +162,10 @@ class ModuleCheckpointer:
             self.pipeline.close()
 
     def write_frozen_sources(self) -> None:
-        """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
-        which becomes its recorded source."""
+        """Every fully frozen module built in memory is written once (`write_frozen_source`)."""
         for name in self.model.module_names:
-            entry = self.model.config.module_entry(name)
-            if name in self.trainable or entry.get("source"):
-                continue
-            if not self.output_dir:
-                raise ValueError(f"module {name!r} is frozen and was built in memory: saving it needs an output_dir "
-                                 "(args.output_dir, or OmniPlugin(output_dir=...))")
-            folder = os.path.abspath(os.path.join(self.output_dir, "frozen", name))
-            module = getattr(self.model, name)
-            state = full_state_dict(module)
-            with agreed(f"module {name!r}: writing {folder}", self.group):
-                if is_main():
-                    save_module(module, folder, state, self.model.processors.get(name))
-            entry["source"] = folder
+            if name not in self.trainable:
+                write_frozen_source(self.model, name, self.output_dir, self.group)
 
     # -- load -------------------------------------------------------------------------------------
     def check(self, directory: str) -> dict:
@@ -194,7 +201,8 @@ class ModuleCheckpointer:
         for name in [] if weights_only else self.trainable:
             with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", self.group):
                 saved[name] = module_state.read_state_json(folders[name])
-        todo = {name: folder for name, folder in folders.items() if name not in weights_loaded}
+        todo = {name: folder for name, folder in folders.items()
+                if name not in weights_loaded and not is_released(getattr(self.model, name))}  # offline: never read
         for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
             for name, folder in todo.items():
                 with agreed(f"module {name!r}: reading {folder}", self.group):

@@ -180,3 +180,17 @@ def init_lora_layer(layer: nn.Module, config) -> None:
         raise MissingInternalError("hf_omni relies on peft's LoraLayer.lora_variant, which the installed peft lacks")
     if "default" in variants:
         variants["default"].init(layer, adapter_name="default", config=config)
+
+
+def dataset_fingerprint(dataset) -> str | None:
+    """A `datasets.Dataset`'s own fingerprint (the private `_fingerprint` instance attribute, which every transform
+    changes; checked by behaviour in tests/test_compat.py); None for any other dataset."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
+        return None
+    value = getattr(dataset, "_fingerprint", None)
+    if not isinstance(value, str):
+        raise MissingInternalError("hf_omni relies on datasets.Dataset._fingerprint, which the installed datasets "
+                                   "lacks")
+    return value

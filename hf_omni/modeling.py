@@ -31,9 +31,10 @@ from transformers import PreTrainedModel
 from .compat import registered_auto_classes
 from .config import OmniConfig, module_folder
 from .module_io import (
-    PROCESSOR_KINDS, build_empty, has_adapter, load_adapter, load_processor, original_class, processor_kind,
-    save_module,
+    PROCESSOR_KINDS, build_empty, copy_module_folder, has_adapter, load_adapter, load_processor, original_class,
+    processor_kind, save_module,
 )
+from .offline import is_released
 from .parallel import full_state_dict
 
 
@@ -146,6 +147,14 @@ class OmniModel(PreTrainedModel):
             os.makedirs(save_directory, exist_ok=True)
         for name, module in self.omni_modules().items():
             folder = os.path.join(save_directory, self.config.module_entry(name)["subfolder"])
+            if is_released(module):  # offline: on the meta device, its files copied from its recorded source
+                source = self.config.module_entry(name).get("source")
+                if not source or not os.path.isfile(os.path.join(source, "config.json")):
+                    raise ValueError(f"module {name!r} is on the meta device (offline) and has no source folder to "
+                                     f"export it from ({source!r})")
+                if is_main_process:
+                    copy_module_folder(source, folder)
+                continue
             state = full_state_dict(module)
             if is_main_process:
                 save_module(module, folder, state, self.processors.get(name), merge_lora=merge_lora)

@@ -17,6 +17,8 @@ It resolves the arguments, hands each module to `parallel.driver` (tuning, wrapp
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ from .arguments import OmniTrainingArguments
 from .checkpoint import ModuleCheckpointer, resume_weights_folders
 from .errors import OmniArgumentError
 from .modeling import OmniModel
+from .offline import check_offline_modules, serve_from_caches
 from .module_arguments import FsdpSettings, ModuleArguments
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers, clip_grad_norms
 from .parallel.driver import WrappedModules, apply_training_modes, prepare_modules
@@ -63,6 +66,7 @@ class OmniPlugin:
         self.wrapping = WrappedModules()
         self.checkpointer: ModuleCheckpointer | None = None
         self.scaler = None
+        self.offline: dict = {}  # module -> its OfflineEncoder (`offline_modules`)
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -93,7 +97,16 @@ class OmniPlugin:
         self.module_args = self.args.resolve_modules(model.module_names)
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
+        self.offline = check_offline_modules(model, list(self.args.offline_modules or []), self.module_args)
         return self.module_args
+
+    def offline_datasets(self, model: OmniModel, datasets: dict, collator, batch_size: int, device) -> dict:
+        """`offline_modules`: each dataset (split name -> map-style dataset) served from caches of the offline
+        modules' outputs, encoded first where none is valid; then each offline module is released to the meta
+        device. Call before `prepare`. See `offline.serve_from_caches`."""
+        cache_dir = self.args.offline_cache_dir or os.path.join(self.output_dir or ".", "offline_cache")
+        return serve_from_caches(model, self.offline, datasets, cache_dir, self.args.offline_cache, collator,
+                                 batch_size, device, self.output_dir)
 
     def prepare(self, accelerator, model: OmniModel, num_training_steps: int | None = None):
         """Freeze / LoRA / checkpoint / wrap each module in place, then build its optimizer and scheduler.

@@ -24,6 +24,7 @@ from transformers import Trainer
 
 from . import checkpoint_files
 from .arguments import OmniTrainingArguments
+from .offline import is_released
 from .plugin import OmniPlugin
 from .rng import restore_rng_state, save_rng_state
 
@@ -92,10 +93,26 @@ class OmniTrainer(Trainer):
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             checkpoint_files.check_complete(str(resume_from_checkpoint))  # digests: by the plugin's load, on rank 0
+        if self.plugin.offline and not self.plugin.is_prepared:
+            self._serve_offline()
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self.plugin.close()  # an async save still in flight gets its marker; staging buffers released
         return output
+
+    def _serve_offline(self) -> None:
+        """`offline_modules`: the train and eval datasets served from the modules' caches (encoded first where none
+        is valid), the modules released to the meta device (`OmniPlugin.offline_datasets`)."""
+        evals = self.eval_dataset
+        splits = {"train": self.train_dataset}
+        splits.update({f"eval-{k}": v for k, v in evals.items()} if isinstance(evals, dict) else
+                      {"eval": evals} if evals is not None else {})
+        served = self.plugin.offline_datasets(self.model, {k: v for k, v in splits.items() if v is not None},
+                                              self.data_collator, self.args.per_device_eval_batch_size,
+                                              self.args.device)
+        self.train_dataset = served.get("train")
+        if evals is not None:
+            self.eval_dataset = {k: served[f"eval-{k}"] for k in evals} if isinstance(evals, dict) else served["eval"]
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Nothing here: Trainer calls this before preparing; `_prepare_for_training` has the plugin read the
@@ -153,10 +170,10 @@ class OmniTrainer(Trainer):
     def _move_model_to_device(self, model, device):
         """Modules still on the meta device (`empty_init`) stay there: `OmniPlugin.prepare` fills them in place."""
         pending = getattr(model, "pending_weights", None)
-        if not pending:
+        if not pending and not any(is_released(m) for m in model.omni_modules().values()):
             return super()._move_model_to_device(model, device)
         for name, module in model.omni_modules().items():
-            if name not in pending:
+            if name not in pending and not is_released(module):
                 module.to(device)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

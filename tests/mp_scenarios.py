@@ -47,6 +47,11 @@ SCENARIOS = {
     "fsdp_methods": scenario(METHODS, model="tiny_feature_model", atol=1e-5),
     "fsdp_empty_init": scenario(FULL_FSDP, model="empty_init_model", atol=1e-5),
     "fsdp_frozen_sharded": scenario({**FSDP_MODULES, "vision": {"trainable": False, "parallel": "fsdp"}}, atol=1e-5),
+    # offline vision at 2 ranks (each encodes its rows; the sampler shards the cached rows) vs online at 1 rank
+    "offline_ddp": {**scenario(BASE_MODULES), "multi": dict(COMMON, **MULTI, offline_modules=["vision"]),
+                    "offline": True},
+    "offline_fsdp": {**scenario(FSDP_MODULES, atol=1e-5),
+                     "multi": dict(COMMON, modules=FSDP_MODULES, **MULTI, offline_modules=["vision"]), "offline": True},
 }
 
 # set in the 2-rank run's environment: hf_omni must ignore them and leave them as they are
@@ -55,9 +60,12 @@ FSDP_ENV = {"FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_TRANSFORMER_CLS_TO_WRAP
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer in full (sharded DTensors gathered), on CPU."""
+    """Every parameter and buffer in full (sharded DTensors gathered), on CPU; none of an offline module's (on the
+    meta device)."""
     out = {}
     for key, value in model.state_dict().items():
+        if value.is_meta:
+            continue
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         out[key] = value.detach().cpu().clone()

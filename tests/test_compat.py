@@ -97,3 +97,12 @@ def test_readme_key_table_is_the_declared_fields():
     assert key_table() in readme, "README's key table differs from hf_omni.module_arguments.key_table()"
     documented = re.findall(r"^\| `(\w+)` \| `", readme.split("| key | default |")[1].split("\n\n")[0], re.M)
     assert tuple(documented) == MODULE_KEYS
+
+
+def test_dataset_fingerprint_follows_every_transform():
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"x": [1, 2, 3]})
+    first = compat.dataset_fingerprint(data)
+    assert isinstance(first, str) and compat.dataset_fingerprint(data.map(lambda r: {"x": r["x"] + 1})) != first
+    assert compat.dataset_fingerprint(data.shuffle(seed=0)) != first and compat.dataset_fingerprint([1, 2]) is None

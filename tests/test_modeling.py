@@ -114,7 +114,7 @@ class DropsKwargs(Captioner):
     """Accepts **kw (so Trainer passes num_items_in_batch) but never hands it on: the documented pitfall."""
 
     def forward(self, pixel_values, input_ids, labels=None, **kw):
-        return super().forward(pixel_values, input_ids, labels)
+        return super().forward(input_ids, pixel_values=pixel_values, labels=labels)
 
 
 class _Text(torch.utils.data.Dataset):

@@ -50,6 +50,9 @@ def test_two_ranks_equal_one_rank(two_rank_results, tmp_path, name):
     got = two_rank_results[name]
     assert got["facts"]["world_size"] == 2
     atol = SCENARIOS[name]["atol"]
+    if SCENARIOS[name].get("offline"):  # trained from the cache: the vision encoder stayed on the meta device
+        assert got["facts"]["wrapped"]["vision"] == "offline" and not any(k.startswith("vision.") for k in got["state"])
+        state = {k: v for k, v in state.items() if not k.startswith("vision.")}
     assert got["losses"] == pytest.approx(losses, abs=atol)
     assert_state_close(got["state"], state, atol=atol)
 

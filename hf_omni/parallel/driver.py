@@ -19,6 +19,7 @@ from torch import nn
 from ..compat import fsdp_lazy_init_root
 from ..dist import has_process_group
 from ..module_arguments import FsdpSettings, ModuleArguments
+from ..offline import is_released
 from ..weights import fill_module
 from . import ddp, fsdp, none
 from .tuning import apply_training_mode
@@ -77,21 +78,27 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
     result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable))
     pending = dict(model.pending_weights)
     shard_later = {n: f for n, f in pending.items() if plan[n] == "fsdp" and fsdp_scope == "module"}
+    # offline modules (`offline.release`): on the meta device for good, never placed, wrapped or filled
+    released = {n for n in module_args if n not in pending and is_released(getattr(model, n))}
+    for name in released:
+        result.wrapped[name] = "offline"
     for name, folder in pending.items():  # empty_init, not sharded: filled whole
         if name not in shard_later:
             fill_module(getattr(model, name), folder, device, name)
     # placement + autocast; never DDP-wrapped (meta modules are placed by their filling below)
-    model = accelerator.prepare_model(model, device_placement=not shard_later, evaluation_mode=True)
-    if shard_later:
+    model = accelerator.prepare_model(model, device_placement=not (shard_later or released), evaluation_mode=True)
+    if shard_later or released:
         for name, module in model.omni_modules().items():
-            if name not in shard_later:
+            if name not in shard_later and name not in released:
                 module.to(device)
     if has_process_group():
         if fsdp_scope == "model":  # one wrap of the whole composed model, frozen modules included
             _wrap_fsdp(result, model, fsdp.MODEL_SCOPE, model_fsdp, device, lazy_init=True)
         else:
             for name, margs in module_args.items():
-                _wrap(result, getattr(model, name), name, plan[name], margs, device, lazy_init=name not in shard_later)
+                if name not in released:
+                    _wrap(result, getattr(model, name), name, plan[name], margs, device,
+                          lazy_init=name not in shard_later)
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
         offload = module_args[name].fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU
         fill_module(getattr(model, name), folder, torch.device("cpu") if offload else device, name)

@@ -1,0 +1,133 @@
+"""Offline encoding: step time and peak RSS online vs offline, encode throughput vs the encoder's plain forward.
+
+    python bench/offline.py
+
+Two layouts of the digits captioner, vision frozen, LLM with LoRA, projector trained: the stage-2 demo's sizes,
+and a heavy encoder (a ViT large enough to be over half of the online step and to see in RSS). Every run is its
+own process (a clean peak RSS), builds the model with `empty_init` from one saved export (so the offline run
+never allocates the encoder when its cache is valid) and trains the same rows. f is the encoder's share of an
+online step, measured in the online run (its forward alone on the same batches); the goal for the step ratio
+is (1 - f) + 0.05. Encode throughput: the first offline run's encoding against a plain no-grad forward over the
+same rows and batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+ROOT = "/tmp/hf_omni_bench/offline"
+STEPS, BATCH = 40, 64
+LAYOUTS = {"stage-2 demo": dict(hidden=64, layers=2), "heavy encoder": dict(hidden=384, layers=8)}
+MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-3},
+           "llm": {"learning_rate": 5e-4, "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}}
+
+
+def child(layout: str, mode: str) -> dict:
+    """One run in this process: train STEPS steps online or offline; its step times, peak RSS and more."""
+    import torch
+    from transformers import TrainerCallback
+
+    from digits import Captioner, load_splits
+    from hf_omni import OmniTrainer, OmniTrainingArguments, offline_cache
+
+    torch.set_num_threads(2)
+    export = os.path.join(ROOT, layout.replace(" ", "_"), "export")
+    model = Captioner.from_pretrained(export, empty_init=True)
+    train_set, _ = load_splits(model.processors["llm"])
+    out = os.path.join(ROOT, layout.replace(" ", "_"), mode)
+    args = OmniTrainingArguments(output_dir=out, use_cpu=True, report_to="none", disable_tqdm=True, max_steps=STEPS,
+                                 per_device_train_batch_size=BATCH, modules=MODULES, optim="adamw_torch",
+                                 save_strategy="no", logging_steps=STEPS, dataloader_drop_last=True,
+                                 offline_modules=["vision"] if mode != "online" else None,
+                                 offline_cache_dir=os.path.join(ROOT, layout.replace(" ", "_"), "cache"))
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    encoded = []
+    original = offline_cache.encode_rows
+
+    def timed_encode(*a, **k):
+        start = time.perf_counter()
+        rows = original(*a, **k)
+        encoded.append(time.perf_counter() - start)
+        return rows
+
+    offline_cache.encode_rows = timed_encode
+    trainer = OmniTrainer(model=model, args=args, train_dataset=train_set, callbacks=[Clock()])
+    trainer.train()
+    steps = [b - a for a, b in zip(stamps[4:], stamps[5:])]  # past warm-up
+    result = {"step": statistics.median(steps), "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "encode_s": encoded[0] if encoded else None, "rows": len(train_set)}
+    if mode == "online":  # the encoder's forward alone, same batches: its share of the step
+        pixels = torch.stack([train_set[i]["pixel_values"] for i in range(BATCH * 6)])
+        times = []
+        with torch.no_grad():
+            for i in range(6):
+                start = time.perf_counter()
+                model.encode_image(pixels[i * BATCH:(i + 1) * BATCH])
+                times.append(time.perf_counter() - start)
+        result["encoder"] = statistics.median(times[1:])
+        all_pixels = torch.stack([train_set[i]["pixel_values"] for i in range(len(train_set))])
+        start = time.perf_counter()
+        with torch.no_grad():
+            for i in range(0, len(all_pixels), BATCH):
+                model.encode_image(all_pixels[i:i + BATCH])
+        result["plain_forward_s"] = time.perf_counter() - start
+    result["encoder_mb"] = sum(p.numel() * p.element_size() for p in
+                               __import__("digits").build_model(**dims(layout)).vision.parameters()) / 2**20
+    return result
+
+
+def dims(layout: str) -> dict:
+    d = LAYOUTS[layout]
+    return dict(hidden=d["hidden"], layers=d["layers"], llm_hidden=64, llm_layers=2)
+
+
+def run(layout: str, mode: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", layout, mode], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-4000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    from digits import build_model
+
+    shutil.rmtree(ROOT, ignore_errors=True)
+    rows = []
+    for layout in LAYOUTS:
+        build_model(**dims(layout)).save_pretrained(os.path.join(ROOT, layout.replace(" ", "_"), "export"))
+        online, first, cached = run(layout, "online"), run(layout, "offline_first"), run(layout, "offline")
+        share = online["encoder"] / online["step"]
+        ratio = cached["step"] / online["step"]
+        rows.append((layout, online, first, cached, share, ratio))
+    print(f"bench/offline.py: {STEPS} steps of {BATCH} rows, median step past warm-up, each run its own process\n")
+    print("| layout | encoder MB | online step (s) | offline step (s) | f (encoder share) | offline / online | goal "
+          "(1 - f) + 0.05 | peak RSS online / offline (MB) | RSS drop / encoder bytes (goal >= 0.9) | "
+          "encode vs plain forward (samples/s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for layout, online, first, cached, share, ratio in rows:
+        drop = (online["rss_mb"] - cached["rss_mb"]) / online["encoder_mb"]
+        enc, plain = first["rows"] / first["encode_s"], online["rows"] / online["plain_forward_s"]
+        print(f"| {layout} | {online['encoder_mb']:.0f} | {online['step']:.4f} | {cached['step']:.4f} | {share:.2f} | "
+              f"{ratio:.2f} | {1 - share + 0.05:.2f} | {online['rss_mb']:.0f} / {cached['rss_mb']:.0f} | {drop:.2f} | "
+              f"{enc:.0f} vs {plain:.0f} ({enc / plain:.2f}) |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3])))
+    else:
+        main()

@@ -1,0 +1,158 @@
+"""Offline encoding of a frozen module: training from the cache equals training with the module (shuffled rows,
+torch and `datasets` sources), the module is never materialised while training from it, a stale cache is
+recomputed or refused naming what changed, a killed encode is never used, exports and `empty_init` work."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import make_args, step_losses, tiny_data, tiny_model
+from transformers import TrainerCallback
+
+from digits import Captioner
+from hf_omni import OmniTrainer, offline_cache, weights
+from hf_omni.errors import OmniArgumentError
+
+MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+           "llm": {"learning_rate": 1e-3, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}}
+
+
+class VisionNeverReal(TrainerCallback):
+    """At every step: each parameter and buffer of the offline module is on the meta device."""
+
+    def __init__(self):
+        self.checked = 0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        tensors = list(model.vision.parameters()) + list(model.vision.buffers())
+        assert tensors and all(t.is_meta for t in tensors)
+        self.checked += 1
+
+
+def trainer(out, model=None, data=None, steps=6, **kw):
+    model = model if model is not None else tiny_model()
+    args = make_args(out, max_steps=steps, modules=MODULES, train_sampling_strategy="random",
+                     per_device_train_batch_size=4, **kw)
+    return OmniTrainer(model=model, args=args, train_dataset=data if data is not None else tiny_data(model, 32))
+
+
+def encodes(monkeypatch) -> list:
+    calls, original = [], offline_cache.encode_rows
+    monkeypatch.setattr(offline_cache, "encode_rows", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def as_datasets(data):
+    from datasets import Dataset
+
+    rows = [data[i] for i in range(len(data))]
+    return Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]})
+
+
+@pytest.mark.parametrize("source", ["torch", "datasets"])
+def test_offline_training_equals_online_and_never_materialises_the_module(tmp_path, source):
+    model = tiny_model()
+    data = tiny_data(model, 32) if source == "torch" else as_datasets(tiny_data(model, 32))
+    online = trainer(tmp_path / "online", model, data)
+    online.train()
+    offline_model = tiny_model()
+    offline = trainer(tmp_path / "offline", offline_model, data, offline_modules=["vision"])
+    watch = VisionNeverReal()
+    offline.add_callback(watch)
+    offline.train()
+    assert watch.checked == 6 and offline.plugin.wrapped["vision"] == "offline"
+    assert step_losses(offline) == pytest.approx(step_losses(online), abs=1e-6)
+    for key, value in model.state_dict().items():
+        if not key.startswith("vision."):
+            torch.testing.assert_close(offline_model.state_dict()[key], value, atol=1e-6, rtol=0)
+    offline.save_model(str(tmp_path / "export"))  # the vision folder comes from its recorded source
+    reloaded = Captioner.from_pretrained(str(tmp_path / "export"))
+    batch = {k: torch.stack([tiny_data(model, 4)[i][k] for i in range(4)]) for k in ("pixel_values", "input_ids")}
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, atol=1e-5, rtol=0)
+
+
+def test_a_valid_cache_is_reused_a_stale_one_recomputed_or_refused(tmp_path, monkeypatch):
+    calls = encodes(monkeypatch)
+    cache = str(tmp_path / "cache")
+    trainer(tmp_path / "a", offline_modules=["vision"], offline_cache_dir=cache).train()
+    trainer(tmp_path / "b", offline_modules=["vision"], offline_cache_dir=cache).train()
+    assert len(calls) == 1  # the second run read the cache
+
+    def refused(model=None, data=None, what=""):
+        with pytest.raises(ValueError, match=rf"module 'vision' is not valid \({what} changed\)"):
+            trainer(tmp_path / "c", model, data, offline_modules=["vision"], offline_cache_dir=cache,
+                    offline_cache="read_only").train()
+
+    changed = tiny_model()
+    with torch.no_grad():
+        changed.vision.embeddings.patch_embeddings.projection.weight[0, 0, 0, 0] += 1e-3
+    refused(changed, what="weights")
+    refused(tiny_model().to(torch.float64), what="weights, dtype")
+    refused(data=tiny_data(tiny_model(), 36), what="dataset, rows")
+
+    class OtherEncoder(Captioner):
+        @__import__("hf_omni").offline_encoder(module="vision", inputs=["pixel_values"], output="image_features")
+        def encode_image(self, pixel_values):
+            return self.vision(pixel_values=pixel_values).last_hidden_state * 1.0
+
+    other = OtherEncoder.from_modules(tiny_model().omni_modules(), processors=tiny_model().processors)
+    refused(other, what="encoder")
+    expected = offline_cache.tensors_hash(dict(changed.vision.state_dict()))
+    trainer(tmp_path / "d", changed, offline_modules=["vision"], offline_cache_dir=cache).train()
+    assert len(calls) == 2  # auto: recomputed
+    manifest = json.loads(open(os.path.join(cache, "vision-train", "manifest.json")).read())
+    assert manifest["fingerprint"]["weights"] == expected
+
+
+def test_a_killed_encode_is_never_used(tmp_path, monkeypatch):
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-encode")
+
+    monkeypatch.setattr(offline_cache, "encode_rows", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path, offline_modules=["vision"]).train()
+    assert os.path.isdir(tmp_path / "offline_cache" / "vision-train.partial")
+    assert not os.path.exists(tmp_path / "offline_cache" / "vision-train")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="no complete cache changed"):
+        trainer(tmp_path, offline_modules=["vision"], offline_cache="read_only").train()
+    trainer(tmp_path, offline_modules=["vision"]).train()
+    assert not os.path.exists(tmp_path / "offline_cache" / "vision-train.partial")
+
+
+def test_empty_init_module_is_read_only_to_encode(tmp_path, monkeypatch):
+    tiny_model().save_pretrained(str(tmp_path / "init"))
+    fills, original = [], weights.fill_module
+    monkeypatch.setattr(weights, "fill_module", lambda m, f, d, name: fills.append(name) or original(m, f, d, name))
+    for run in ("first", "second"):
+        model = Captioner.from_pretrained(str(tmp_path / "init"), empty_init=True)
+        trainer(tmp_path / run, model, offline_modules=["vision"],
+                offline_cache_dir=str(tmp_path / "cache")).train()
+        assert all(p.is_meta for p in model.vision.parameters())
+    assert fills.count("vision") == 1  # to encode once; the second run never reads it
+
+
+@pytest.mark.parametrize("modules,overrides,match", [
+    ({**MODULES, "vision": {}}, {}, "modules.vision.trainable: an offline module must be fully frozen"),
+    (MODULES, {"offline_modules": ["audio"]}, r"offline_modules: 'audio' is not a module"),
+    ({**MODULES, "projector": {"trainable": False}}, {"offline_modules": ["projector"]},
+     r"modules.projector.offline_modules: Captioner declares no @offline_encoder\(module='projector'"),
+])
+def test_offline_arguments_are_checked_before_anything(tmp_path, modules, overrides, match):
+    model = tiny_model()
+    args = make_args(tmp_path, modules=modules, **{"offline_modules": ["vision"], **overrides})
+    with pytest.raises(OmniArgumentError, match=match):
+        OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 8))
+    assert not os.path.exists(tmp_path / "offline_cache")
+
+
+def test_an_iterable_dataset_is_refused(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(OmniArgumentError, match="offline caches are keyed by row index and need a map-style"):
+        trainer(tmp_path, data=Stream(), offline_modules=["vision"]).train()
