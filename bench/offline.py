@@ -6,8 +6,9 @@ Two layouts of the digits captioner, vision frozen, LLM with LoRA, projector tra
 and a heavy encoder (a ViT large enough to be over half of the online step and to see in RSS). Every run is its
 own process (a clean peak RSS), builds the model with `empty_init` from one saved export (so the offline run
 never allocates the encoder when its cache is valid) and trains the same rows. f is the encoder's share of an
-online step, measured in the online run (its forward alone on the same batches); the goal for the step ratio
-is (1 - f) + 0.05. Encode throughput: the first offline run's encoding against a plain no-grad forward over the
+online step, measured in the online run (time inside `encode_image` during the steps); the goal for the step
+ratio is (1 - f) + 0.05. Memory: peak RSS, and peak anonymous RSS (sampled at every step end) — the cache is
+memory-mapped, so its pages count in RSS but are the OS's page cache, not memory the process holds. Encode throughput: the first offline run's encoding against a plain no-grad forward over the
 same rows and batch size.
 """
 
@@ -26,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 ROOT = "/tmp/hf_omni_bench/offline"
 STEPS, BATCH = 40, 64
-LAYOUTS = {"stage-2 demo": dict(hidden=64, layers=2), "heavy encoder": dict(hidden=384, layers=8)}
+LAYOUTS = {"stage-2 demo": dict(hidden=64, layers=2), "heavy encoder": dict(hidden=256, layers=24)}
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-3},
            "llm": {"learning_rate": 5e-4, "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}}
 
@@ -49,12 +50,23 @@ def child(layout: str, mode: str) -> dict:
                                  save_strategy="no", logging_steps=STEPS, dataloader_drop_last=True,
                                  offline_modules=["vision"] if mode != "online" else None,
                                  offline_cache_dir=os.path.join(ROOT, layout.replace(" ", "_"), "cache"))
-    stamps = []
+    stamps, anon, in_encoder = [], [], []
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
+            with open("/proc/self/status") as f:  # anonymous memory: what the process itself holds
+                anon.append(next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024)
 
+    encode_image = Captioner.encode_image
+
+    def timed_image(self, *a, **k):  # the encoder's time inside the online steps: f
+        start = time.perf_counter()
+        out = encode_image(self, *a, **k)
+        in_encoder.append(time.perf_counter() - start)
+        return out
+
+    Captioner.encode_image = timed_image
     encoded = []
     original = offline_cache.encode_rows
 
@@ -69,16 +81,10 @@ def child(layout: str, mode: str) -> dict:
     trainer.train()
     steps = [b - a for a, b in zip(stamps[4:], stamps[5:])]  # past warm-up
     result = {"step": statistics.median(steps), "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "encode_s": encoded[0] if encoded else None, "rows": len(train_set)}
-    if mode == "online":  # the encoder's forward alone, same batches: its share of the step
-        pixels = torch.stack([train_set[i]["pixel_values"] for i in range(BATCH * 6)])
-        times = []
-        with torch.no_grad():
-            for i in range(6):
-                start = time.perf_counter()
-                model.encode_image(pixels[i * BATCH:(i + 1) * BATCH])
-                times.append(time.perf_counter() - start)
-        result["encoder"] = statistics.median(times[1:])
+              "anon_mb": max(anon), "encode_s": encoded[0] if encoded else None, "rows": len(train_set)}
+    if mode == "online":  # the encoder's time inside the steps: its share of the step
+        result["encoder"] = statistics.median(in_encoder[5:STEPS])
+        Captioner.encode_image = encode_image
         all_pixels = torch.stack([train_set[i]["pixel_values"] for i in range(len(train_set))])
         start = time.perf_counter()
         with torch.no_grad():
@@ -115,15 +121,16 @@ def main():
         rows.append((layout, online, first, cached, share, ratio))
     print(f"bench/offline.py: {STEPS} steps of {BATCH} rows, median step past warm-up, each run its own process\n")
     print("| layout | encoder MB | online step (s) | offline step (s) | f (encoder share) | offline / online | goal "
-          "(1 - f) + 0.05 | peak RSS online / offline (MB) | RSS drop / encoder bytes (goal >= 0.9) | "
-          "encode vs plain forward (samples/s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(1 - f) + 0.05 | peak RSS online / offline (MB) | peak anonymous RSS online / offline (MB) | "
+          "anonymous drop / encoder bytes (goal >= 0.9) | encode vs plain forward (samples/s, goal >= 0.8) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layout, online, first, cached, share, ratio in rows:
-        drop = (online["rss_mb"] - cached["rss_mb"]) / online["encoder_mb"]
+        drop = (online["anon_mb"] - cached["anon_mb"]) / online["encoder_mb"]
         enc, plain = first["rows"] / first["encode_s"], online["rows"] / online["plain_forward_s"]
-        print(f"| {layout} | {online['encoder_mb']:.0f} | {online['step']:.4f} | {cached['step']:.4f} | {share:.2f} | "
-              f"{ratio:.2f} | {1 - share + 0.05:.2f} | {online['rss_mb']:.0f} / {cached['rss_mb']:.0f} | {drop:.2f} | "
-              f"{enc:.0f} vs {plain:.0f} ({enc / plain:.2f}) |")
+        print(f"| {layout} | {online['encoder_mb']:.1f} | {online['step']:.4f} | {cached['step']:.4f} | {share:.2f} | "
+              f"{ratio:.2f} | {1 - share + 0.05:.2f} | {online['rss_mb']:.0f} / {cached['rss_mb']:.0f} | "
+              f"{online['anon_mb']:.0f} / {cached['anon_mb']:.0f} | {drop:.2f} | {enc:.0f} vs {plain:.0f} "
+              f"({enc / plain:.2f}) |")
 
 
 if __name__ == "__main__":

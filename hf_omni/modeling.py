@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 from .compat import registered_auto_classes
 from .config import OmniConfig, module_folder
 from .module_io import (
-    PROCESSOR_KINDS, build_empty, copy_module_folder, has_adapter, load_adapter, load_processor, original_class,
-    processor_kind, save_module,
+    PROCESSOR_KINDS, build_empty, copy_module_folder, has_adapter, load_adapter, load_processor, merged_module,
+    original_class, processor_kind, save_module,
 )
 from .offline import is_released
 from .parallel import full_state_dict
@@ -175,11 +175,14 @@ class OmniModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,
-                        **kwargs) -> "OmniModel":
+                        device_map=None, dtype=None, merge_lora: bool = False, **kwargs) -> "OmniModel":
         """Rebuild the composed model from `save_pretrained` output (each module from its subfolder, or from its
         recorded source when the subfolder is absent).
 
-        `empty_init=True`: modules are built on the meta device and remember their weights folder;
+        The eager build (one process, no process group; eval mode): `device_map` a device, `"auto"` (each module
+        placed by transformers / Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`;
+        LoRA modules keep their adapters unless `merge_lora=True` (merged by PEFT into plain weights).
+        `empty_init=True` (training): modules are built on the meta device and remember their weights folder;
         `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.weights`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder and keyword arguments only")
@@ -187,6 +190,9 @@ class OmniModel(PreTrainedModel):
         if not os.path.isfile(os.path.join(root, "config.json")):
             raise FileNotFoundError(f"{root} has no config.json: not a saved OmniModel folder")
         config = OmniConfig.from_pretrained(root)
+        placement, dtypes = per_module(device_map, config, "device_map"), per_module(dtype, config, "dtype")
+        if empty_init and (device_map is not None or dtype is not None or merge_lora):
+            raise ValueError("from_pretrained: empty_init (training) takes no device_map, dtype or merge_lora")
         modules, processors, pending = {}, {}, {}
         for entry in config.modules:
             name = entry["name"]
@@ -196,13 +202,27 @@ class OmniModel(PreTrainedModel):
                 module = build_empty(module_cls, folder)
                 pending[name] = folder
             else:
-                module = module_cls.from_pretrained(folder, **kwargs)
+                extra = {k: v for k, v in (("device_map", placement[name]), ("dtype", dtypes[name])) if v is not None}
+                module = module_cls.from_pretrained(folder, **kwargs, **extra)
                 if has_adapter(folder):
                     load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
+                    if merge_lora:
+                        device = next(module.parameters()).device
+                        module = merged_module(module, dict(module.state_dict())).to(device)
             modules[name] = module
             kind = entry.get("processor")
             if kind in PROCESSOR_KINDS:
                 processors[name] = load_processor(folder, kind)
         model = cls(config, modules=modules, processors=processors)
         model.pending_weights = pending
-        return model
+        return model if empty_init else model.eval()
+
+
+def per_module(value, config: OmniConfig, key: str) -> dict:
+    """`value` for every module: one for all, or a `{module: value}` mapping naming modules of `config`."""
+    if not isinstance(value, dict):
+        return {name: value for name in config.module_names}
+    unknown = sorted(set(value) - set(config.module_names))
+    if unknown:
+        raise ValueError(f"from_pretrained: {key} names {unknown}, not modules of this model {config.module_names}")
+    return {name: value.get(name) for name in config.module_names}

@@ -149,10 +149,25 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict
         for j, index in enumerate(chunk):
             value = values.get(j)
             out["row"].append(index)
-            out["value"].append(bytes(raw_bytes(value)) if value is not None else None)
+            out["value"].append(np.frombuffer(raw_bytes(value), dtype=np.uint8) if value is not None else None)
             out["shape"].append(list(value.shape) if value is not None else [])
             out["dtype"].append(str(value.dtype).removeprefix("torch.") if value is not None else "")
     return out
+
+
+def arrow_columns(rows: dict) -> dict:
+    """`encode_rows`' output as Arrow arrays; the values one buffer with offsets (no per-row Python bytes)."""
+    import pyarrow as pa
+
+    values = rows["value"]
+    lengths = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    data = np.concatenate([v for v in values if v is not None] or [np.zeros(0, np.uint8)])
+    valid = None if all(v is not None for v in values) else pa.array([v is not None for v in values]).buffers()[1]
+    value = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(values),
+                                             [valid, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return {"row": pa.array(rows["row"], pa.int64()), "value": value,
+            "shape": pa.array(rows["shape"], pa.list_(pa.int64())), "dtype": pa.array(rows["dtype"], pa.string())}
 
 
 def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_size: int, device, group) -> None:
@@ -169,7 +184,7 @@ def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_s
         rows = encode_rows(model, spec, dataset, collator, batch_size, device)
         features = Features({"row": Value("int64"), "value": Value("large_binary"), "shape": Sequence(Value("int64")),
                              "dtype": Value("string")})
-        Dataset.from_dict(rows, features=features).save_to_disk(os.path.join(partial, f"part-{rank():05d}"))
+        Dataset.from_dict(arrow_columns(rows), features=features).save_to_disk(os.path.join(partial, f"part-{rank():05d}"))
     with agreed(f"offline cache: writing {folder}", group):
         if is_main():
             with open(os.path.join(partial, MANIFEST), "w") as f:

@@ -156,3 +156,35 @@ def test_an_iterable_dataset_is_refused(tmp_path):
 
     with pytest.raises(OmniArgumentError, match="offline caches are keyed by row index and need a map-style"):
         trainer(tmp_path, data=Stream(), offline_modules=["vision"]).train()
+
+
+def test_rows_without_input_store_no_feature_and_keep_their_dtype(tmp_path):
+    """A text-only row (no pixel_values) stores null and reaches forward without the column; bf16 kept exactly."""
+    from transformers import default_data_collator
+
+    from hf_omni.offline import CachedRows, offline_encoders
+
+    model = tiny_model().to(torch.bfloat16)
+    base = tiny_data(model, 6)
+
+    class SomeTextOnly(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(base)
+
+        def __getitem__(self, i):
+            row = dict(base[i])
+            row["pixel_values"] = None if i in (1, 4) else row["pixel_values"].to(torch.bfloat16)
+            return row
+
+    data, spec = SomeTextOnly(), offline_encoders(model)["vision"]
+    folder = str(tmp_path / "vision-train")
+    offline_cache.write_cache(model, spec, data, folder, {"weights": "w"}, default_data_collator, 4, "cpu", None)
+    cache = offline_cache.Cache(folder, len(data))
+    rows = CachedRows(data, {spec: cache})
+    with torch.no_grad():
+        expected = model.encode_image(torch.stack([data[i]["pixel_values"] for i in (0, 5)]))
+    assert cache.row(1) is None and "image_features" not in rows[4] and "pixel_values" not in rows[4]
+    assert rows[0]["image_features"].dtype == torch.bfloat16
+    for row, want in ((0, expected[0]), (5, expected[1])):  # each row its own feature (another batch composition)
+        torch.testing.assert_close(rows[row]["image_features"], want, atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(rows[0]["image_features"].float(), rows[5]["image_features"].float(), atol=0.1)
