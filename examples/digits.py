@@ -91,19 +91,26 @@ def load_splits(tokenizer, held_out: float = 0.2, seed: int = 0):
 
 
 @torch.no_grad()
+def greedy_captions(model: Captioner, pixel_values: torch.Tensor, length: int) -> torch.Tensor:
+    """[BOS] then `length - 1` greedy tokens, the whole model run again for each (no cache)."""
+    device = next(model.parameters()).device
+    pixels = pixel_values.to(device)
+    ids = torch.full((len(pixels), 1), model.processors["llm"].bos_token_id, device=device)
+    for _ in range(length - 1):
+        logits = model(pixel_values=pixels, input_ids=ids).logits
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@torch.no_grad()
 def caption_accuracy(model: Captioner, dataset: DigitCaptions, batch_size: int = 512) -> float:
     """Greedy-decode a caption for every image from [BOS]; the fraction equal to the reference caption."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
     correct = 0
     for start in range(0, len(dataset), batch_size):
-        pixels = dataset.pixels[start:start + batch_size].to(device)
-        reference = dataset.input_ids[start:start + batch_size].to(device)
-        ids = reference[:, :1]
-        for _ in range(reference.shape[1] - 1):
-            logits = model(pixel_values=pixels, input_ids=ids).logits
-            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
-        correct += (ids == reference).all(dim=1).sum().item()
+        reference = dataset.input_ids[start:start + batch_size]
+        ids = greedy_captions(model, dataset.pixels[start:start + batch_size], reference.shape[1])
+        correct += (ids.cpu() == reference).all(dim=1).sum().item()
     model.train(was_training)
     return correct / len(dataset)

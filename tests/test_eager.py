@@ -49,3 +49,21 @@ def test_per_module_dtype_and_bad_names(trained):
         Captioner.from_pretrained(str(export), device_map={"audio": "cpu"})
     with pytest.raises(ValueError, match="empty_init .* takes no device_map"):
         Captioner.from_pretrained(str(export), empty_init=True, dtype=torch.float16)
+
+
+def test_caption_script_decodes_as_the_training_script(trained):
+    """examples/caption.py (llm.generate with its KV cache, from the export) and the training script's greedy loop
+    produce the same captions, up to the first [EOS] where generate stops: the same accuracy."""
+    import caption
+
+    from digits import greedy_captions, load_splits
+
+    export, _, _ = trained
+    model = Captioner.from_pretrained(str(export))
+    _, held_out = load_splits(model.processors["llm"])
+    length, eos = held_out.input_ids.shape[1], model.processors["llm"].eos_token_id
+    looped = greedy_captions(model, held_out.pixels[:64], length)
+    generated = caption.generate_captions(model, held_out.pixels[:64], length)
+    for a, b in zip(looped.tolist(), generated.tolist()):
+        stop = b.index(eos) + 1 if eos in b else length
+        assert a[:stop] == b[:stop]
