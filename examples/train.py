@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from transformers import HfArgumentParser  # noqa: E402
+from transformers import HfArgumentParser, set_seed  # noqa: E402
 
 from digits import Captioner, build_model, caption_accuracy, load_splits  # noqa: E402
 from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
@@ -41,6 +41,7 @@ def parse_args(argv: list[str]) -> tuple[OmniTrainingArguments, DemoArguments]:
 
 def main():
     args, demo = parse_args(sys.argv[1:])
+    set_seed(args.seed)  # weights a load initialises (a ViT's unused pooler) are the same every run
     model = Captioner.from_pretrained(demo.init_from) if demo.init_from else build_model(seed=args.seed)
     train_set, held_out = load_splits(model.processors["llm"])
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)

@@ -1,6 +1,9 @@
 """`hf-omni export CHECKPOINT OUT`: a checkpoint as a plain per-module export, in one process (no training job,
 no process group). Trainable modules come from the checkpoint, frozen ones from their recorded source; the
-result is what `save_model()` writes, ready for `from_pretrained` or upload."""
+result is what `save_model()` writes, ready for `from_pretrained` or upload.
+
+`hf-omni encode SCRIPT CONFIG [...]`: the training script's offline caches only (`offline_modules`); under
+`accelerate launch -m hf_omni.cli encode ...` every rank encodes its rows."""
 
 from __future__ import annotations
 
@@ -29,16 +32,42 @@ def export(checkpoint: str, out: str) -> None:
     os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete
 
 
+ENCODE_ONLY = "HF_OMNI_ENCODE_ONLY"  # set by `hf-omni encode`: OmniTrainer.train() encodes, then the run ends
+
+
+def encode(script: str, script_args: list[str]) -> None:
+    """Run a training script (`python SCRIPT ARGS...`, e.g. `examples/train.py config.yaml`) up to its
+    `OmniTrainer.train()`, which only builds the offline caches its config asks for and ends the run."""
+    import runpy
+    import sys
+
+    os.environ[ENCODE_ONLY] = "1"
+    sys.argv = [script, *script_args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+        return
+    raise RuntimeError(f"{script} ended without calling OmniTrainer.train(): nothing was encoded")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="hf-omni", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     export_parser = commands.add_parser("export", help="a checkpoint as config.json + one HF folder per module")
     export_parser.add_argument("checkpoint")
     export_parser.add_argument("out")
+    encode_parser = commands.add_parser("encode", help="only build the offline caches of a training run: "
+                                        "hf-omni encode train.py config.yaml [--key value ...]")
+    encode_parser.add_argument("script")
+    encode_parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "export":
         export(args.checkpoint, args.out)
         print(f"exported {args.checkpoint} to {args.out}")
+    elif args.command == "encode":
+        encode(args.script, args.script_args)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,12 @@ class OmniTrainer(Trainer):
             checkpoint_files.check_complete(str(resume_from_checkpoint))  # digests: by the plugin's load, on rank 0
         if self.plugin.offline and not self.plugin.is_prepared:
             self._serve_offline()
+        if os.environ.get("HF_OMNI_ENCODE_ONLY") == "1":  # `hf-omni encode`: the caches are built; stop here
+            if not self.plugin.offline:
+                raise ValueError("hf-omni encode: this run's arguments name no offline_modules: nothing to encode")
+            if self.is_world_process_zero():
+                print(f"hf-omni encode: offline caches of {sorted(self.plugin.offline)} ready")
+            raise SystemExit(0)
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self.plugin.close()  # an async save still in flight gets its marker; staging buffers released

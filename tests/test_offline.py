@@ -188,3 +188,30 @@ def test_rows_without_input_store_no_feature_and_keep_their_dtype(tmp_path):
     for row, want in ((0, expected[0]), (5, expected[1])):  # each row its own feature (another batch composition)
         torch.testing.assert_close(rows[row]["image_features"], want, atol=2e-2, rtol=2e-2)
     assert not torch.allclose(rows[0]["image_features"].float(), rows[5]["image_features"].float(), atol=0.1)
+
+
+def test_encode_command_builds_the_caches_and_trains_nothing(tmp_path):
+    """`hf-omni encode examples/train.py config.yaml`: the run stops after its caches; a read_only run uses them."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tiny_model().save_pretrained(str(tmp_path / "stage1"))
+    config = {"init_from": str(tmp_path / "stage1"), "output_dir": str(tmp_path / "run"), "max_steps": 2,
+              "per_device_train_batch_size": 8, "use_cpu": True, "report_to": "none", "save_strategy": "no",
+              "disable_tqdm": True, "offline_modules": ["vision"], "modules": MODULES}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "hf_omni.cli", "encode", os.path.join(root, "examples", "train.py"),
+               str(tmp_path / "cfg.yaml")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "offline caches of ['vision'] ready" in done.stdout
+    assert os.path.isfile(tmp_path / "run" / "offline_cache" / "vision-train" / "manifest.json")
+    assert not os.path.exists(tmp_path / "run" / "config.json")  # nothing trained, nothing exported
+    train = [sys.executable, os.path.join(root, "examples", "train.py"), str(tmp_path / "cfg.yaml"),
+             "--offline_cache", "read_only"]
+    done = subprocess.run(train, capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out caption accuracy" in done.stdout and os.path.isfile(tmp_path / "run" / "config.json")
