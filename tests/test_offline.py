@@ -30,11 +30,12 @@ class VisionNeverReal(TrainerCallback):
         self.checked += 1
 
 
-def trainer(out, model=None, data=None, steps=6, **kw):
+def trainer(out, model=None, data=None, steps=6, eval_data=None, **kw):
     model = model if model is not None else tiny_model()
     args = make_args(out, max_steps=steps, modules=MODULES, train_sampling_strategy="random",
                      per_device_train_batch_size=4, **kw)
-    return OmniTrainer(model=model, args=args, train_dataset=data if data is not None else tiny_data(model, 32))
+    return OmniTrainer(model=model, args=args, train_dataset=data if data is not None else tiny_data(model, 32),
+                       eval_dataset=eval_data)
 
 
 def encodes(monkeypatch) -> list:
@@ -54,15 +55,18 @@ def as_datasets(data):
 def test_offline_training_equals_online_and_never_materialises_the_module(tmp_path, source):
     model = tiny_model()
     data = tiny_data(model, 32) if source == "torch" else as_datasets(tiny_data(model, 32))
-    online = trainer(tmp_path / "online", model, data)
+    held_out = torch.utils.data.Subset(__import__("digits").load_splits(model.processors["llm"])[1], range(24))
+    online = trainer(tmp_path / "online", model, data, eval_data=held_out)
     online.train()
     offline_model = tiny_model()
-    offline = trainer(tmp_path / "offline", offline_model, data, offline_modules=["vision"])
+    offline = trainer(tmp_path / "offline", offline_model, data, eval_data=held_out, offline_modules=["vision"])
     watch = VisionNeverReal()
     offline.add_callback(watch)
     offline.train()
     assert watch.checked == 6 and offline.plugin.wrapped["vision"] == "offline"
     assert step_losses(offline) == pytest.approx(step_losses(online), abs=1e-6)
+    assert os.path.isfile(tmp_path / "offline" / "offline_cache" / "vision-eval" / "manifest.json")
+    assert offline.evaluate()["eval_loss"] == pytest.approx(online.evaluate()["eval_loss"], abs=1e-6)
     for key, value in model.state_dict().items():
         if not key.startswith("vision."):
             torch.testing.assert_close(offline_model.state_dict()[key], value, atol=1e-6, rtol=0)
