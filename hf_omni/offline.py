@@ -114,12 +114,16 @@ class CachedRows(torch.utils.data.Dataset):
         return len(self.source)
 
     def __getitem__(self, index):
-        row = {k: v for k, v in self.source[index].items() if k not in self.dropped}
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """A batch's rows (torch's DataLoader fetches through this): each cache read once for all of them."""
+        rows = [{k: v for k, v in self.source[i].items() if k not in self.dropped} for i in indices]
         for spec, cache in self.caches.items():
-            value = cache.row(index)
-            if value is not None:
-                row[spec.output] = value
-        return row
+            for row, value in zip(rows, cache.rows(list(indices))):
+                if value is not None:
+                    row[spec.output] = value
+        return rows
 
 
 def serve_from_caches(model, specs: dict[str, OfflineEncoder], datasets: dict, cache_dir: str, mode: str, collator,

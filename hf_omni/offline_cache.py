@@ -103,10 +103,14 @@ class Cache:
         self.position[index] = np.arange(rows)
 
     def row(self, index: int) -> torch.Tensor | None:
-        item = self.data[int(self.position[index])]
-        if item["value"] is None:
-            return None
-        return torch.frombuffer(bytearray(item["value"]), dtype=getattr(torch, item["dtype"])).reshape(item["shape"])
+        return self.rows([index])[0]
+
+    def rows(self, indices: list[int]) -> list[torch.Tensor | None]:
+        """Many rows in one Arrow read (a batch's worth)."""
+        items = self.data[self.position[np.asarray(indices, dtype=np.int64)].tolist()]
+        return [None if value is None else
+                torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape)
+                for value, dtype, shape in zip(items["value"], items["dtype"], items["shape"])]
 
 
 def read_manifest(folder: str) -> dict | None:
