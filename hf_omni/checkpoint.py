@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import os
+import shutil
 
 from . import checkpoint_files as files
 from . import module_state
@@ -97,6 +98,9 @@ class ModuleCheckpointer:
                 if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
                     os.remove(stale)
                     files.fsync_dir(directory)
+                for name in self.trainable:  # old shards would be read back beside the new ones
+                    subfolder = self.model.config.module_entry(name)["subfolder"]
+                    shutil.rmtree(os.path.join(directory, subfolder, module_state.STATE), ignore_errors=True)
         self.write_frozen_sources()
         pipeline = self.pipeline
         if pipeline is not None:

@@ -69,7 +69,7 @@ def _like(value, template):
     if isinstance(template, torch.Tensor):
         return torch.tensor(value, dtype=template.dtype, device=template.device)
     if isinstance(template, tuple):
-        return tuple(value)
+        return tuple(_like(v, t) for v, t in zip(value, template))
     return value
 
 
@@ -90,7 +90,12 @@ def optimizer_state(module, optimizer, folder: str) -> tuple[dict, dict]:
     own shards of a sharded module)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return _split(get_optimizer_state_dict(module, optimizer), os.path.join(folder, STATE))
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(module, optimizer)
+    if fresh:  # torch initialised the state with a zero-lr step: the live optimizer must stay as it was
+        optimizer.state.clear()
+        state["state"] = {}
+    return _split(state, os.path.join(folder, STATE))
 
 
 def save_json(value, folder: str, name: str) -> None:

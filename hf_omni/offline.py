@@ -99,6 +99,19 @@ def is_released(module: nn.Module) -> bool:
     return bool(tensors) and all(t.is_meta for t in tensors)
 
 
+def every_rank_changes(changed: list[str], group) -> list[str]:
+    """What any rank found stale: every rank then encodes, or none does (their collectives must match)."""
+    import torch.distributed as dist
+
+    from .dist import has_process_group, world_size
+
+    if not has_process_group():
+        return changed
+    everyone = [None] * world_size()
+    dist.all_gather_object(everyone, changed, group=group)
+    return sorted({c for rank_changes in everyone for c in rank_changes})
+
+
 class CachedRows(torch.utils.data.Dataset):
     """`source` rows with the encoders' inputs dropped and their cached outputs added (`caches`: spec ->
     `offline_cache.Cache`). A row the module had no input for gets no output column (`forward` sees None)."""
@@ -152,8 +165,8 @@ def serve_from_caches(model, specs: dict[str, OfflineEncoder], datasets: dict, c
         module, folder = getattr(model, name), model.pending_weights.get(name)
         for split, dataset in datasets.items():
             target = os.path.join(cache_dir, f"{name}-{split}")
-            want = fingerprint(model, spec, dataset, folder)
-            changed = changes(read_manifest(target), want, len(dataset))
+            want = fingerprint(model, spec, dataset, folder, collator)
+            changed = every_rank_changes(changes(read_manifest(target), want, len(dataset)), group)
             if changed:
                 if mode == "read_only":
                     raise ValueError(f"offline cache {target} of module {name!r} is not valid ({', '.join(changed)} "

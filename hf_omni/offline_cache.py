@@ -67,24 +67,37 @@ def dataset_hash(dataset, columns: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(model, spec, dataset, folder: str | None) -> dict[str, str]:
+def code_hash(obj) -> str:
+    """A function's source (its bytecode where no source file exists); an object's class and repr."""
+    target = getattr(obj, "encoder_function", obj)
+    if callable(target) and hasattr(target, "__code__"):
+        try:
+            text = inspect.getsource(target)
+        except OSError:  # defined where no source file exists (an interactive session)
+            text = target.__code__.co_code.hex()
+    else:
+        text = f"{type(obj).__module__}.{type(obj).__qualname__}:{obj!r}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict[str, str]:
     """What the cached outputs depend on. `folder`: where an `empty_init` module's weights are (else its tensors
-    in memory are hashed)."""
+    in memory are hashed); `collator`: what batches the inputs."""
     import importlib
+
+    import transformers
 
     module = getattr(model, spec.module)
     config = {k: v for k, v in module.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    source = getattr(type(model), spec.method).encoder_function
-    try:
-        code = inspect.getsource(source)
-    except OSError:  # defined where no source file exists (an interactive session): its bytecode
-        code = source.__code__.co_code.hex()
+    dtypes = sorted({str(t.dtype) for t in list(module.parameters()) + list(module.buffers())})
     return {"weights": files_hash(folder) if folder else tensors_hash(dict(module.state_dict())),
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-            "dtype": str(next(iter(module.parameters())).dtype),
-            "encoder": hashlib.sha256(code.encode()).hexdigest(),
+            "dtype": ",".join(dtypes),
+            "encoder": code_hash(getattr(type(model), spec.method)),
+            "collator": code_hash(collator),
             "dataset": dataset_hash(dataset, spec.inputs),
-            "hf_omni": importlib.import_module(__package__).__version__}
+            "hf_omni": importlib.import_module(__package__).__version__,
+            "transformers": transformers.__version__}
 
 
 # -- reading ----------------------------------------------------------------------------------------------
@@ -109,7 +122,8 @@ class Cache:
         """Many rows in one Arrow read (a batch's worth)."""
         items = self.data[self.position[np.asarray(indices, dtype=np.int64)].tolist()]
         return [None if value is None else
-                torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape)
+                torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape) if value else
+                torch.empty(shape, dtype=getattr(torch, dtype))  # an empty output row: frombuffer refuses 0 bytes
                 for value, dtype, shape in zip(items["value"], items["dtype"], items["shape"])]
 
 

@@ -33,8 +33,10 @@ class BackgroundWriteError(RuntimeError):
     """A write of an async save failed in the background thread: names the module and folder."""
 
 
-def named(what: str, write: Callable[[], None]) -> Callable[[], None]:
+def named(what: str, write: Callable[[], None], copied: concurrent.futures.Future) -> Callable[[], None]:
     def job():
+        if copied.exception() is not None:
+            raise BackgroundWriteError(f"{what}: skipped, the copies of this save failed")
         try:
             write()
         except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -99,9 +101,12 @@ class SavePipeline:
         ones (every rank's shards, with their collectives) from running."""
         copies, staged = self._copies, concurrent.futures.Future()
         self._staged = staged
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None  # threads start on cuda:0
 
         def copy_all():
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # the stager's synchronize waits on this rank's own GPU
                 with agreed("copying the state of an async save", group):
                     for copy in copies:
                         copy()
@@ -110,8 +115,9 @@ class SavePipeline:
 
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_omni_save")
-        futures = [self._executor.submit(copy_all)]
-        return futures + [self._executor.submit(named(what, write)) for what, write in self._writes]
+        first = self._executor.submit(copy_all)
+        # every rank learnt whether every rank copied: after a failed copy, every rank skips every write alike
+        return [first] + [self._executor.submit(named(what, write, first)) for what, write in self._writes]
 
     def fence(self) -> None:
         """Block until the save in flight has copied what it writes (errors surface at the save's own wait)."""

@@ -25,7 +25,8 @@ from torch.futures import Future
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the header field HuggingFaceStorageReader reads the shard offsets from
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+          **{getattr(torch, f"uint{n}"): f"U{n}" for n in (16, 32, 64) if hasattr(torch, f"uint{n}")}}
 BLOCK = 4096  # O_DIRECT alignment
 BOUNCE = 16 << 20  # O_DIRECT: bytes staged in one aligned buffer per write
 

@@ -24,7 +24,7 @@ from transformers import Trainer
 
 from . import checkpoint_files
 from .arguments import OmniTrainingArguments
-from .offline import is_released
+from .offline import CachedRows, is_released
 from .plugin import OmniPlugin
 from .rng import restore_rng_state, save_rng_state
 
@@ -46,6 +46,8 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_load_best_model": ("self",),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "_load_scaler": ("self", "checkpoint"),
+    "get_eval_dataloader": ("self", "eval_dataset"),
+    "get_test_dataloader": ("self", "test_dataset"),
 }
 # Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
 TRAINER_CALLS: dict[str, tuple[str, ...]] = {
@@ -119,6 +121,20 @@ class OmniTrainer(Trainer):
         self.train_dataset = served.get("train")
         if evals is not None:
             self.eval_dataset = {k: served[f"eval-{k}"] for k in evals} if isinstance(evals, dict) else served["eval"]
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        self._check_served(eval_dataset)
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        self._check_served(test_dataset)
+        return super().get_test_dataloader(test_dataset)
+
+    def _check_served(self, dataset) -> None:
+        released = [n for n in self.plugin.offline if is_released(getattr(self.model, n))]
+        if released and dataset is not None and not isinstance(dataset, (str, CachedRows)):
+            raise ValueError(f"modules {released} are offline (on the meta device since train()): a dataset given "
+                             "to evaluate() / predict() now has no cache; pass it as eval_dataset= before train()")
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Nothing here: Trainer calls this before preparing; `_prepare_for_training` has the plugin read the

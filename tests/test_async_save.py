@@ -73,3 +73,61 @@ def test_async_save_holds_the_state_of_its_moment(tmp_path, monkeypatch):
         for index, values in states.items():
             for key, value in values.items():
                 assert torch.equal(moments[name][index][key], value), (name, index, key)
+
+
+def test_after_a_failed_copy_no_write_runs():
+    """Every rank learns that a copy failed (the agreement after the copies) and every rank skips every write: no
+    rank enters a write's collectives alone."""
+    import pytest
+
+    pipeline = save_pipeline.SavePipeline()
+    pipeline.begin([])
+    pipeline._copies.append(lambda: 1 / 0)
+    ran = []
+    pipeline.then(lambda: ran.append("write"), "writing x")
+    futures = pipeline.start()
+    pipeline.fence()
+    with pytest.raises(ZeroDivisionError):
+        futures[0].result()
+    with pytest.raises(save_pipeline.BackgroundWriteError, match="writing x: skipped, the copies of this save"):
+        futures[1].result()
+    assert ran == []
+    pipeline.close()
+
+
+def test_saving_before_any_step_leaves_the_optimizer_as_it_was(tmp_path):
+    """torch initialises optimizer state for a save with a zero-lr step: the live optimizer must not keep it (its
+    next step would count as the second)."""
+    plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=False)
+    plugin.save_state(str(tmp_path / "ckpt"))
+    assert all(len(opt.state) == 0 for opt in optimizer.optimizers.values())
+    batch = next(iter(DataLoader(Batches(4), batch_size=4)))
+    step(model, optimizer, scheduler, batch)
+    steps = {float(s["step"]) for opt in optimizer.optimizers.values() for s in opt.state.values()}
+    assert steps == {1.0}
+
+
+def test_a_re_save_into_a_folder_drops_its_old_shards(tmp_path):
+    """Shards left by an earlier save into the same folder (another world size, another file count) would be read
+    back beside the new ones: a re-save starts from an empty state/."""
+    import shutil
+
+    plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=False)
+    batches = list(DataLoader(Batches(12), batch_size=4))
+    step(model, optimizer, scheduler, batches[0])
+    plugin.save_state(str(tmp_path / "old"))
+    for batch in batches[1:]:
+        step(model, optimizer, scheduler, batch)
+    state = tmp_path / "ckpt" / "llm" / "state"
+    state.mkdir(parents=True)
+    for i, shard in enumerate(sorted((tmp_path / "old" / "llm" / "state").glob("*.safetensors"))):
+        shutil.copy(shard, state / f"shard-00009-{i:05d}-of-00009.safetensors")  # sorts after the new ones
+    plugin.save_state(str(tmp_path / "ckpt"))
+    assert not list(state.glob("shard-00009-*"))
+    saved = snapshot(model, optimizer)
+    other, other_model, other_optimizer, _ = prepared(tmp_path, save_async=False, seed=3)
+    other.load_state(str(tmp_path / "ckpt"))
+    for name, states in saved[1].items():
+        for index, values in states.items():
+            for key, value in values.items():
+                assert torch.equal(snapshot(other_model, other_optimizer)[1][name][index][key], value)

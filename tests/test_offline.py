@@ -67,6 +67,8 @@ def test_offline_training_equals_online_and_never_materialises_the_module(tmp_pa
     assert step_losses(offline) == pytest.approx(step_losses(online), abs=1e-6)
     assert os.path.isfile(tmp_path / "offline" / "offline_cache" / "vision-eval" / "manifest.json")
     assert offline.evaluate()["eval_loss"] == pytest.approx(online.evaluate()["eval_loss"], abs=1e-6)
+    with pytest.raises(ValueError, match=r"modules \['vision'\] are offline .* has no cache"):
+        offline.evaluate(eval_dataset=held_out)  # raw rows would reach the encoder on the meta device
     for key, value in model.state_dict().items():
         if not key.startswith("vision."):
             torch.testing.assert_close(offline_model.state_dict()[key], value, atol=1e-6, rtol=0)
