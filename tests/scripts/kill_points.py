@@ -86,7 +86,7 @@ def rotation_cut_short():
     original = shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
-        if "checkpoint-5" in str(path):
+        if os.path.basename(str(path)) == "checkpoint-5":  # rotation deleting it (not a save clearing a state/)
             victim = os.path.join(path, "llm", "model.safetensors")  # part of the old checkpoint goes, then the kill
             if os.path.exists(victim):
                 os.remove(victim)
