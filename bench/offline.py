@@ -9,7 +9,8 @@ never allocates the encoder when its cache is valid) and trains the same rows. f
 online step, measured in the online run (time inside `encode_image` during the steps); the goal for the step
 ratio is (1 - f) + 0.05. Memory: peak RSS, and peak anonymous RSS (sampled at every step end) — the cache is
 memory-mapped, so its pages count in RSS but are the OS's page cache, not memory the process holds. Encode throughput: writing the cache (the encoder's batches, rows to Arrow, `save_to_disk`)
-against a plain no-grad forward over the same rows (the demo's 1,437; 6 batches of the heavy encoder's) and batch size, both in the online run after
+against a plain no-grad forward over the same rows (the demo's 1,437; 6 batches of the heavy encoder's), loaded
+the same way (a DataLoader with the same collator and batch size), both in the online run after
 training (warm), three alternating passes each, medians.
 """
 
@@ -95,13 +96,12 @@ def child(layout: str, mode: str) -> dict:
         from hf_omni.offline import offline_encoders
 
         rows = torch.utils.data.Subset(train_set, range(min(len(train_set), LAYOUTS[layout]["encode_rows"])))
-        pixels = torch.stack([rows[i]["pixel_values"] for i in range(len(rows))])
         plain, encode = [], []
         for _ in range(3):  # alternating, medians: this machine's speed drifts between passes
-            start = time.perf_counter()
+            start = time.perf_counter()  # the plain pass loads the rows as encoding does: a DataLoader, the collator
             with torch.no_grad():
-                for i in range(0, len(pixels), BATCH):
-                    model.encode_image(pixels[i:i + BATCH])
+                for batch in torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=default_data_collator):
+                    model.encode_image(batch["pixel_values"])
             plain.append(time.perf_counter() - start)
             start = time.perf_counter()  # what encoding does: rows -> encoder batches -> Arrow parts on disk
             offline_cache.write_cache(model, offline_encoders(model)["vision"], rows, os.path.join(out, "encoded"),
