@@ -60,12 +60,16 @@ def listed_files(directory: str) -> list[str]:
     return sorted(out)
 
 
-def read_marker(directory: str) -> dict | None:
-    path = os.path.join(directory, MARKER)
+def read_json(path: str):
+    """A JSON file's value; None when there is no such file."""
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def read_marker(directory: str) -> dict | None:
+    return read_json(os.path.join(directory, MARKER))
 
 
 def sha256(path: str) -> str:

@@ -128,18 +128,23 @@ class Cache:
 
 
 def read_manifest(folder: str) -> dict | None:
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
+    """A cache's manifest; None when absent or unreadable (then the cache is not valid and is recomputed)."""
+    from .checkpoint_files import read_json
+
+    try:
+        manifest = read_json(os.path.join(folder, MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return manifest if isinstance(manifest, dict) else None
 
 
 def changes(manifest: dict | None, want: dict, rows: int) -> list[str]:
     """What differs between a cache's manifest and what it should be ([] : valid)."""
     if manifest is None:
         return ["no complete cache"]
-    have = manifest.get("fingerprint", {})
+    have = manifest.get("fingerprint")
+    if not isinstance(have, dict):
+        return ["no complete cache"]
     changed = [key for key in want if have.get(key) != want[key]]
     return changed + (["rows"] if manifest.get("rows") != rows else [])
 
