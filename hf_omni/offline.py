@@ -84,10 +84,6 @@ def check_offline_modules(model, offline: list[str], module_args: dict) -> dict[
     return {name: encoders[name] for name in offline}
 
 
-def encoder_method(model, spec: OfflineEncoder):
-    return getattr(model, spec.method)
-
-
 def release(module: nn.Module) -> None:
     """Free the module's storage: every parameter and buffer moves to the meta device (the Parameter objects stay;
     their data is dropped). Training from the cache never calls it."""

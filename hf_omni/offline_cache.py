@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import logging
 import os
 import shutil
 
@@ -25,8 +24,6 @@ from .dist import agreed, is_main, rank, world_size
 from .shard_writer import raw_bytes
 
 MANIFEST = "manifest.json"
-logger = logging.getLogger(__name__)
-
 
 # -- fingerprint ------------------------------------------------------------------------------------------
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:

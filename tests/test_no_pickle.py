@@ -4,7 +4,6 @@ Trainer's own `optimizer.pt`, `scheduler.pt`, `scaler.pt`, `rng_state.pth`, `tra
 all listed in its marker, each of which would create a file if unpickled."""
 
 import json
-import os
 import pickle
 import shutil
 
