@@ -25,6 +25,7 @@ from .shard_writer import raw_bytes
 
 MANIFEST = "manifest.json"
 
+
 # -- fingerprint ------------------------------------------------------------------------------------------
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
