@@ -48,6 +48,9 @@ class OmniTrainingArguments(TrainingArguments):
         "help": "Fully frozen modules whose @offline_encoder outputs are cached and fed to forward instead."})
     offline_cache_dir: str | None = field(default=None, metadata={
         "help": "Where offline caches live (default <output_dir>/offline_cache)."})
+    hub_layout: str = field(default="per_module", metadata={
+        "help": "per_module: each module to its own repo plus the composition repo hub_model_id | single: one repo "
+                "with a subfolder per module."})
     offline_cache: str = field(default="auto", metadata={
         "help": "auto: a stale offline cache is recomputed | read_only: a stale or missing one is an error."})
 
@@ -85,10 +88,6 @@ class OmniTrainingArguments(TrainingArguments):
              "GradScaler); on CPU use bf16"),
             (self.torch_compile, "torch_compile", "Trainer would compile the composed model as a whole, around "
              "the per-module wrapping; per-module compilation is not supported yet"),
-            (self.push_to_hub, "push_to_hub", "per-module Hub pushes are not supported yet; export with "
-             "save_model() / `hf-omni export` and upload each module folder"),
-            (str(getattr(self.hub_strategy, "value", self.hub_strategy)) != "every_save", "hub_strategy",
-             "per-module Hub pushes are not supported yet (push_to_hub is refused too)"),
         ]
         for bad, name, message in refused:
             if bad:
@@ -100,7 +99,7 @@ class OmniTrainingArguments(TrainingArguments):
 
     def _validate(self) -> None:
         for name, choices in (("fsdp_scope", FSDP_SCOPES), ("grad_clip_scope", GRAD_CLIP_SCOPES),
-                              ("offline_cache", ("auto", "read_only"))):
+                              ("offline_cache", ("auto", "read_only")), ("hub_layout", ("per_module", "single"))):
             if getattr(self, name) not in choices:
                 raise OmniArgumentError(None, name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if isinstance(self.offline_modules, str):
@@ -163,6 +162,7 @@ class OmniTrainingArguments(TrainingArguments):
             for key in ("lr_scheduler_kwargs", "fsdp_plugin", "activation_checkpointing_kwargs"):
                 values[key] = values[key] or {}
             values["max_grad_norm"] = values["max_grad_norm"] or 0.0
+            values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id")})
             trainable = overlay.get("trainable", True)
             if not trainable:
                 values["lora"] = None

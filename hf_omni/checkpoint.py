@@ -71,6 +71,7 @@ class ModuleCheckpointer:
         self._unmapped: dict[str, frozenset[str]] = {}
         self.group = checkpoint_group()  # every step one rank does alone ends in an agreement on this group
         self.async_group = checkpoint_group() if save_async else None  # the background writer's collectives
+        self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
 
     def unmapped(self, name: str) -> frozenset[str]:
         """Tensors of module `name` its HF files do not hold as is: a checkpoint keeps them in `state/`."""
@@ -155,6 +156,8 @@ class ModuleCheckpointer:
             if is_main():
                 files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable,
                                                                 digests=self.verify))
+        if self.on_marked is not None and is_main():
+            self.on_marked(directory)
 
     def close(self) -> None:
         """Finish the save in flight (marker included), release the staging buffers and the writer thread."""

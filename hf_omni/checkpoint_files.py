@@ -138,17 +138,16 @@ def newest_complete_checkpoint(run_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def rotate(run_dir: str, limit: int | None, best: str | None = None) -> list[str]:
-    """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best`; incomplete ones are
-    neither counted nor deleted here. Returns what was deleted."""
+def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple[str, ...] = ()) -> list[str]:
+    """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best` nor one `busy` (being
+    pushed to the Hub); incomplete ones are neither counted nor deleted here. Returns what was deleted."""
     import shutil
 
     if not limit or limit <= 0:
         return []
     found = complete_checkpoints(run_dir)
     keep = {found[-1]} if found else set()
-    if best:
-        keep.add(os.path.abspath(best))
+    keep.update(os.path.abspath(p) for p in ((best,) if best else ()) + tuple(busy))
     deletable = [p for p in found if p not in keep and os.path.abspath(p) not in keep]
     excess = len(found) - limit
     deleted = deletable[:max(excess, 0)]

@@ -2,6 +2,10 @@
 no process group). Trainable modules come from the checkpoint, frozen ones from their recorded source; the
 result is what `save_model()` writes, ready for `from_pretrained` or upload.
 
+`hf-omni push CHECKPOINT_OR_EXPORT REPO_ID [--hub-layout single] [--private] [--revision BRANCH]`: module repos
+plus the composition repo (see `hub_push`); the token comes from `HF_TOKEN` or `hf auth login`, never the
+command line.
+
 `hf-omni encode SCRIPT CONFIG [...]`: the training script's offline caches only (`offline_modules`); under
 `accelerate launch -m hf_omni.cli encode ...` every rank encodes its rows."""
 
@@ -11,9 +15,11 @@ import argparse
 import os
 import shutil
 
+from . import checkpoint_files as files
 from .checkpoint_files import check_complete
 from .config import OmniConfig, module_folder
 from .module_io import copy_module_folder
+from .module_state import STATE
 
 
 def export(checkpoint: str, out: str) -> None:
@@ -30,6 +36,17 @@ def export(checkpoint: str, out: str) -> None:
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete
+
+
+def push(folder: str, repo_id: str, hub_layout: str, private: bool, revision: str | None) -> dict[str, str]:
+    """Push an export, or a complete checkpoint (its sha256s checked when it recorded them)."""
+    from .hub_push import push_saved
+
+    if os.path.exists(os.path.join(folder, files.MARKER)):
+        check_complete(folder, verify=None)
+    elif any(os.path.isdir(os.path.join(folder, n, STATE)) for n in os.listdir(folder)):
+        raise ValueError(f"{folder} is a checkpoint without its completion marker (a save cut short): not pushed")
+    return push_saved(folder, repo_id, layout=hub_layout, private=private or None, revision=revision)
 
 
 ENCODE_ONLY = "HF_OMNI_ENCODE_ONLY"  # set by `hf-omni encode`: OmniTrainer.train() encodes, then the run ends
@@ -58,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     export_parser = commands.add_parser("export", help="a checkpoint as config.json + one HF folder per module")
     export_parser.add_argument("checkpoint")
     export_parser.add_argument("out")
+    push_parser = commands.add_parser("push", help="push an export or checkpoint: module repos + composition repo")
+    push_parser.add_argument("folder")
+    push_parser.add_argument("repo_id")
+    push_parser.add_argument("--hub-layout", default="per_module", choices=("per_module", "single"))
+    push_parser.add_argument("--private", action="store_true", help="create missing repos private")
+    push_parser.add_argument("--revision", default=None, help="the branch to push to (created from main)")
     encode_parser = commands.add_parser("encode", help="only build the offline caches of a training run: "
                                         "hf-omni encode train.py config.yaml [--key value ...]")
     encode_parser.add_argument("script")
@@ -66,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "export":
         export(args.checkpoint, args.out)
         print(f"exported {args.checkpoint} to {args.out}")
+    elif args.command == "push":
+        for repo, oid in push(args.folder, args.repo_id, args.hub_layout, args.private, args.revision).items():
+            print(f"pushed {repo} @ {oid}")
     elif args.command == "encode":
         encode(args.script, args.script_args)
 

@@ -28,34 +28,15 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from .compat import registered_auto_classes
 from .config import OmniConfig, module_folder
 from .module_io import (
     PROCESSOR_KINDS, build_empty, copy_module_folder, has_adapter, load_adapter, load_processor, merged_module,
     original_class, processor_kind, save_module,
 )
+from .hub_download import cached_commit, download_composition, is_hub_id, linked_folders
+from .module_classes import per_module, resolve_module_class
 from .offline import is_released
 from .parallel import full_state_dict
-
-
-def resolve_module_class(class_name: str, module: str) -> type[PreTrainedModel]:
-    """Find a module class by name among transformers, hf_omni and the Auto classes' registered models.
-
-    Never imports arbitrary code named in a config (that would be `trust_remote_code` by the back door).
-    """
-    import transformers
-
-    import hf_omni
-
-    candidates = [getattr(transformers, class_name, None), getattr(hf_omni, class_name, None)]
-    candidates += [c for c in registered_auto_classes() if getattr(c, "__name__", None) == class_name]
-    for cls in candidates:
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-            return cls
-    raise ValueError(
-        f"module {module!r}: class {class_name!r} is neither a transformers / hf_omni model nor registered with "
-        "an Auto class (register custom models with AutoModel.register)"
-    )
 
 
 class OmniModel(PreTrainedModel):
@@ -105,7 +86,7 @@ class OmniModel(PreTrainedModel):
             if source is None and path and os.path.isdir(path):
                 source = os.path.abspath(path)
             entries.append({"name": name, "class": original_class(module).__name__, "subfolder": name,
-                            "source": source})
+                            "source": source, **hub_origin(module)})
         config = OmniConfig(modules=entries, omni_class=cls.__name__)
         return cls(config, modules=modules, processors=processors)
 
@@ -170,6 +151,8 @@ class OmniModel(PreTrainedModel):
             entry["class"] = original_class(module).__name__
             processor = self.processors.get(name)
             entry["processor"] = processor_kind(processor) if processor is not None else None
+            if self.prepared is not None:  # a training run: was the module changed?
+                entry["trained"] = name not in self.prepared.frozen
             entries.append(entry)
         OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
 
@@ -185,18 +168,23 @@ class OmniModel(PreTrainedModel):
         `empty_init=True` (training): modules are built on the meta device and remember their weights folder;
         `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.weights`)."""
         if args:
-            raise TypeError("OmniModel.from_pretrained takes the folder and keyword arguments only")
+            raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
-        if not os.path.isfile(os.path.join(root, "config.json")):
+        hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
+        if is_hub_id(root):  # a composition repo: its config, then exactly the module files it needs
+            root, config, folders = download_composition(root, **hub)
+        elif not os.path.isfile(os.path.join(root, "config.json")):
             raise FileNotFoundError(f"{root} has no config.json: not a saved OmniModel folder")
-        config = OmniConfig.from_pretrained(root)
+        else:
+            config = OmniConfig.from_pretrained(root)
+            folders = linked_folders(root, config, hub["token"], hub["cache_dir"])
         placement, dtypes = per_module(device_map, config, "device_map"), per_module(dtype, config, "dtype")
         if empty_init and (device_map is not None or dtype is not None or merge_lora):
             raise ValueError("from_pretrained: empty_init (training) takes no device_map, dtype or merge_lora")
         modules, processors, pending = {}, {}, {}
         for entry in config.modules:
             name = entry["name"]
-            folder = module_folder(root, config, name)
+            folder = folders.get(name) or module_folder(root, config, name)
             module_cls = resolve_module_class(entry["class"], name)
             if empty_init:
                 module = build_empty(module_cls, folder)
@@ -217,12 +205,31 @@ class OmniModel(PreTrainedModel):
         model.pending_weights = pending
         return model if empty_init else model.eval()
 
+    def push_to_hub(self, repo_id: str, *, hub_layout: str = "per_module", modules: dict | None = None,
+                    token: str | None = None, private: bool | None = None, revision: str | None = None,
+                    commit_message: str = "Upload with hf_omni", merge_lora: bool = False,
+                    is_main_process: bool = True) -> dict[str, str] | None:
+        """Save to a temporary folder and push it (`hub_push.push_saved`): per-module repos plus the composition
+        repo `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub,
+        hub_model_id}}`. With sharded modules every rank calls it; the main process pushes. Returns
+        `{repo: commit}`."""
+        import tempfile
 
-def per_module(value, config: OmniConfig, key: str) -> dict:
-    """`value` for every module: one for all, or a `{module: value}` mapping naming modules of `config`."""
-    if not isinstance(value, dict):
-        return {name: value for name in config.module_names}
-    unknown = sorted(set(value) - set(config.module_names))
-    if unknown:
-        raise ValueError(f"from_pretrained: {key} names {unknown}, not modules of this model {config.module_names}")
-    return {name: value.get(name) for name in config.module_names}
+        from .hub_push import push_saved
+
+        with tempfile.TemporaryDirectory(prefix="hf_omni_push_") as tmp:
+            self.save_pretrained(tmp, is_main_process=is_main_process, merge_lora=merge_lora)
+            if not is_main_process:
+                return None
+            return push_saved(tmp, repo_id, layout=hub_layout, modules=modules, token=token, private=private,
+                              revision=revision, commit_message=commit_message)
+
+
+def hub_origin(module) -> dict:
+    """A module loaded from the Hub: its repo (`_name_or_path`) and the commit it was loaded at (`_commit_hash`
+    where transformers still records it, else the commit the cache's ref names; none found: not a link)."""
+    path = getattr(module.config, "_name_or_path", "") or ""
+    if not path or not is_hub_id(path):
+        return {}
+    commit = getattr(module.config, "_commit_hash", None) or cached_commit(path)
+    return {"hub_repo": path, "hub_revision": commit} if commit else {}

@@ -112,6 +112,15 @@ def _check_fsdp(module: str | None, settings: dict) -> None:
     FsdpSettings.check_overlay(module, settings)
 
 
+def _check_repo_id(module: str | None, repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise OmniArgumentError(module, "hub_model_id", f"not a Hub repo id: {err}") from None
+
+
 PARALLEL_CHOICES = ("fsdp", "ddp", "none")
 
 
@@ -150,6 +159,12 @@ class ModuleArguments:
     ddp_broadcast_buffers: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's broadcast_buffers (unset: "
                                              "true)", nullable=True)
     ddp_static_graph: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's static_graph", nullable=True)
+    push_to_hub: bool | None = key(None, (bool,), "with `push_to_hub`: true uploads the module, false links it "
+                                   "(its `hub_model_id` or the Hub repo it was loaded from); unset: upload unless it "
+                                   "is frozen and was loaded from the Hub", nullable=True, top_level=None)
+    hub_model_id: str | None = key(None, (str,), "the module's own Hub repo (`hub_layout: per_module`; default "
+                                   "`<hub_model_id>-<module>`), or the repo a `push_to_hub: false` module links to",
+                                   nullable=True, check=_check_repo_id, top_level=None)
     # derived from where a value came from, not keys
     lora_from_module: bool = False       # written under modules.<name> (then it must match something)
     parallel_from_module: bool = False   # a frozen module is wrapped only when its own entry asks

@@ -210,14 +210,20 @@ MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.saf
                 "feature_extractor_config.json", "video_preprocessor_config.json")
 
 
+def module_files(folder: str) -> list[str]:
+    """The names of a module folder's HF files (`MODULE_FILES`, regular files, no links), sorted."""
+    import fnmatch
+
+    return sorted(n for n in os.listdir(folder) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
+                  and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+
+
 def copy_module_folder(folder: str, out: str) -> list[str]:
     """Copy a module's HF files (config, weights, adapter, processor — the names in `MODULE_FILES`, regular files
     only) from `folder` to `out`; nothing else of the folder (a checkpoint's `state/`, links, stray files)."""
-    import fnmatch
     import shutil
 
-    names = sorted(n for n in os.listdir(folder) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
-                   and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+    names = module_files(folder)
     os.makedirs(out, exist_ok=True)
     for name in names:
         shutil.copy2(os.path.join(folder, name), os.path.join(out, name))

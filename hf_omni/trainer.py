@@ -17,58 +17,21 @@ hooks are overridden (and checked against the installed Trainer by `check_traine
 
 from __future__ import annotations
 
-import inspect
 import os
 
 from transformers import Trainer
 
 from . import checkpoint_files
 from .arguments import OmniTrainingArguments
+from .model_card import write_summary
 from .offline import CachedRows, is_released
 from .plugin import OmniPlugin
 from .rng import restore_rng_state, save_rng_state
-
-# hook -> the parameter names we rely on (Trainer's private API changes between minor releases)
-TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
-    "_prepare_for_training": ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
-    "create_optimizer": ("self", "model"),
-    "create_scheduler": ("self", "num_training_steps", "optimizer"),
-    "_clip_grad_norm": ("self", "model"),
-    "_get_grad_norm": ("self", "model", "grad_norm"),
-    "log": ("self", "logs", "start_time"),
-    "save_model": ("self", "output_dir", "_internal_call"),
-    "_move_model_to_device": ("self", "model", "device"),
-    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
-    "_save_checkpoint": ("self", "model", "trial"),
-    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
-    "_load_rng_state": ("self", "checkpoint"),
-    "_save_rng_state": ("self", "output_dir"),
-    "_load_best_model": ("self",),
-    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    "_load_scaler": ("self", "checkpoint"),
-    "get_eval_dataloader": ("self", "eval_dataset"),
-    "get_test_dataloader": ("self", "test_dataset"),
-}
-# Trainer's private methods OmniTrainer calls without overriding them -> the parameter names it relies on
-TRAINER_CALLS: dict[str, tuple[str, ...]] = {
-    "_get_output_dir": ("self", "trial"),
-}
+from .trainer_hooks import TRAINER_CALLS, TRAINER_HOOKS, check_trainer_hooks  # noqa: F401 (re-exported)
+from .trainer_hub import HubPushMixin, check_hub_links
 
 
-def check_trainer_hooks(trainer_cls: type = Trainer) -> None:
-    """Fail loudly, naming the method, when a Trainer method we override or call disappears or changes signature."""
-    for table, role in ((TRAINER_HOOKS, "overrides"), (TRAINER_CALLS, "calls")):
-        for name, expected in table.items():
-            method = getattr(trainer_cls, name, None)
-            if method is None:
-                raise RuntimeError(f"hf_omni: transformers.Trainer.{name} no longer exists; OmniTrainer {role} it")
-            params = tuple(inspect.signature(method).parameters)
-            if params != expected:
-                raise RuntimeError(f"hf_omni: transformers.Trainer.{name} changed signature: {params} != "
-                                   f"{expected}; OmniTrainer {role} it")
-
-
-class OmniTrainer(Trainer):
+class OmniTrainer(HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -83,7 +46,9 @@ class OmniTrainer(Trainer):
             raise ValueError("model_init=: pass the composed model itself")
         self.plugin = plugin if plugin is not None else OmniPlugin.from_args(args)
         self.plugin.resolve(model)  # every argument error before any compute
+        check_hub_links(args, model)
         super().__init__(model=model, args=args, **kwargs)
+        self._init_hub()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -105,7 +70,9 @@ class OmniTrainer(Trainer):
             raise SystemExit(0)
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self.plugin.close()  # an async save still in flight gets its marker; staging buffers released
+        self.plugin.close()  # an async save still in flight gets its marker (and its push); buffers released
+        if self.is_world_process_zero():
+            self.hub_push.finish()  # the run's last push, done; its error if it failed
         return output
 
     def _serve_offline(self) -> None:
@@ -171,10 +138,12 @@ class OmniTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = cb_state
             self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+            write_summary(output_dir, self.plugin.module_args, self.state.log_history, self.state.global_step)
         if not self.args.save_async:
             self.plugin.wait_for_save()  # the marker, after Trainer's own state
         if self.args.should_save:
-            checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+            checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
+                                    busy=self.hub_push.busy())
 
     def _load_best_model(self):
         """`load_best_model_at_end`: every module's weights from the best checkpoint (after any save in flight)."""
@@ -208,6 +177,7 @@ class OmniTrainer(Trainer):
             self.plugin.build_optimizers(max_steps)
             self.optimizer, self.lr_scheduler = self.plugin.optimizer, self.plugin.scheduler
         self.model_wrapped = self.model
+        self.plugin.checkpointer.on_marked = self._push_from_checkpoint  # hub_strategy: after each marker
         if resume_from_checkpoint is not None:
             self.plugin.load_state(resume_from_checkpoint, weights_loaded=filled)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -246,3 +216,7 @@ class OmniTrainer(Trainer):
             os.makedirs(output_dir, exist_ok=True)
         self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
                                    merge_lora=self.args.merge_lora_on_export)
+        if self.args.should_save and self.plugin.module_args:
+            write_summary(output_dir, self.plugin.module_args, self.state.log_history, self.state.global_step)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

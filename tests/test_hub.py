@@ -1,0 +1,205 @@
+"""Per-module pushes to a loopback Hub (the real huggingface_hub client uploads): both layouts, a frozen module
+linked not uploaded, cards, loading the composition back by repo id, pushes at save time in the background, a push
+failing mid-way, and the token written nowhere."""
+
+import json
+import logging
+import os
+
+import huggingface_hub
+import pytest
+import torch
+import yaml
+from helpers import make_args, tiny_data, tiny_model
+
+from digits import Captioner
+from hf_omni import OmniModel, OmniTrainer
+from hf_omni.hub_push import HubPushError
+from hf_omni.module_io import module_files
+from hf_omni.testing import LoopbackHub
+
+TOKEN = "hf_SECRETtoken0123456789abcdef"
+MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+           "llm": {"learning_rate": 1e-2, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hf_cache")
+    with LoopbackHub() as server, pytest.MonkeyPatch.context() as mp:
+        for name, value in server.client_constants(str(cache)).items():
+            mp.setattr(huggingface_hub.constants, name, value)
+        mp.delenv("HF_TOKEN", raising=False)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hub_vision(hub, tmp_path_factory):
+    """A frozen encoder as users bring it: released on the Hub, loaded from there (so it records repo + commit)."""
+    from transformers import ViTModel
+
+    folder = tmp_path_factory.mktemp("vit")
+    tiny_model().vision.save_pretrained(folder)
+    api = huggingface_hub.HfApi()
+    api.create_repo("org/vit-tiny", exist_ok=True)
+    api.upload_folder(repo_id="org/vit-tiny", folder_path=str(folder))
+    return ViTModel.from_pretrained("org/vit-tiny")
+
+
+def composed(hub_vision):
+    model = tiny_model()
+    return Captioner.from_modules({"vision": hub_vision, "projector": model.projector, "llm": model.llm},
+                                  processors=model.processors)
+
+
+def logits_of(model, batch):
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def front_matter(card: bytes) -> dict:
+    text = card.decode()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+@pytest.fixture(scope="module")
+def trained(hub, hub_vision, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    model = composed(hub_vision)
+    data = tiny_data(model, 32)
+    args = make_args(out, max_steps=4, modules=MODULES, push_to_hub=True, hub_model_id="org/cap",
+                     hub_strategy="end", hub_token=TOKEN)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    vit_commits = len(hub.commits("org/vit-tiny"))
+    trainer.save_model()  # hub_strategy end: the user's save_model pushes
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("pixel_values", "input_ids")}
+    return trainer, out, batch, logits_of(model, batch), vit_commits
+
+
+def test_per_module_push_equals_the_export_links_the_frozen_encoder_and_loads_back(hub, trained):
+    trainer, out, batch, logits, vit_commits = trained
+    assert {"org/cap", "org/cap-projector", "org/cap-llm"} <= set(hub.repos) and "org/cap-vision" not in hub.repos
+    assert len(hub.commits("org/vit-tiny")) == vit_commits  # linked, not uploaded
+    for name in ("projector", "llm"):
+        pushed = hub.files(f"org/cap-{name}")
+        local = {n: (out / name / n).read_bytes() for n in module_files(str(out / name))}
+        adapter = json.loads(pushed.pop("adapter_config.json", b"{}"))  # its base: the module's own repo
+        if name == "llm":
+            assert adapter == {**json.loads(local.pop("adapter_config.json")),
+                               "base_model_name_or_path": "org/cap-llm"}
+        assert {k: v for k, v in pushed.items() if k not in ("README.md", ".gitattributes")} == local
+        assert len(hub.commits(f"org/cap-{name}")) == 2  # the repo's creation, then one commit for the push
+    root = json.loads(hub.files("org/cap")["config.json"])
+    entries = {e["name"]: e for e in root["modules"]}
+    vit_head = hub.repos["org/vit-tiny"]["branches"]["main"]
+    assert (entries["vision"]["hub_repo"], entries["vision"]["hub_revision"]) == ("org/vit-tiny", vit_head)
+    assert entries["vision"]["trained"] is False and entries["llm"]["trained"] is True
+    assert entries["llm"]["hub_revision"] == hub.repos["org/cap-llm"]["branches"]["main"]
+    assert all(e["source"] is None for e in root["modules"])  # no local path leaves the machine
+    loaded = Captioner.from_pretrained("org/cap")
+    torch.testing.assert_close(logits_of(loaded, batch), logits, atol=1e-5, rtol=0)
+    from transformers import AutoModelForCausalLM  # the trained LLM alone, with its LoRA adapter
+    alone = AutoModelForCausalLM.from_pretrained("org/cap-llm")
+    embeds = trainer.model.llm.get_input_embeddings()(batch["input_ids"])
+    with torch.no_grad():
+        torch.testing.assert_close(alone(inputs_embeds=embeds).logits,
+                                   trainer.model.llm(inputs_embeds=embeds).logits, atol=1e-5, rtol=0)
+
+
+def test_cards_are_valid_and_say_what_was_trained(hub, trained):
+    llm_card = hub.files("org/cap-llm")["README.md"]
+    meta = front_matter(llm_card)
+    assert meta["library_name"] == "transformers" and "lora" in meta["tags"] and "base_model" not in meta
+    text = llm_card.decode()
+    assert "LoRA" in text and '"r": 4' in text and "learning_rate | `0.01`" in text
+    assert 'AutoModelForCausalLM.from_pretrained("org/cap-llm")' in text and 'from_pretrained("org/cap")' in text
+    assert "| loss |" in text or "| train_loss |" in text
+    projector = hub.files("org/cap-projector")["README.md"].decode()
+    assert "full fine-tuning" in projector and "import hf_omni" in projector
+    root = hub.files("org/cap")["README.md"]
+    assert front_matter(root)["base_model"] == "org/vit-tiny"
+    assert "[`org/vit-tiny`](/org/vit-tiny)" in root.decode() and "[`org/cap-llm`](/org/cap-llm)" in root.decode()
+
+
+def test_single_layout_from_a_model_and_revision(hub, trained):
+    trainer, out, batch, logits, _ = trained
+    commits = trainer.model.push_to_hub("org/cap-single", hub_layout="single", revision="v1")
+    files = hub.files("org/cap-single", revision="v1")
+    assert "vision/config.json" not in files and "org/cap-single" in commits
+    for name in ("projector", "llm"):
+        for n in module_files(str(out / name)):
+            assert files[f"{name}/{n}"] == (out / name / n).read_bytes()
+    assert "config.json" not in hub.files("org/cap-single", revision="main")  # the branch only
+    loaded = OmniModel.from_pretrained("org/cap-single", revision="v1")
+    assert type(loaded.llm).__name__ == "LlamaForCausalLM"
+    loaded = Captioner.from_pretrained("org/cap-single", revision="v1")
+    torch.testing.assert_close(logits_of(loaded, batch), logits, atol=1e-5, rtol=0)
+
+
+def test_failed_push_names_the_module_and_a_rerun_completes_it(hub, trained, capsys):
+    """`hf-omni push` of the run's export to new repos; the LLM's commit answers 500: a clear error, nothing on disk
+    changed, no composition pointing at a missing commit; the same command again completes the push."""
+    from hf_omni.cli import main
+
+    _, out, batch, logits, _ = trained
+    before = {p: open(os.path.join(b, p), "rb").read() for b, _, ps in os.walk(out) for p in ps}
+    hub.fail(lambda method, path: method == "POST" and "/org/fail-llm/commit/" in path)
+    try:
+        with pytest.raises(HubPushError, match=r"module 'llm': pushing to org/fail-llm failed: .*500"):
+            main(["push", str(out), "org/fail"])
+    finally:
+        hub.fail(None)
+    assert "org/fail-projector" in hub.repos and "org/fail" not in hub.repos
+    after = {p: open(os.path.join(b, p), "rb").read() for b, _, ps in os.walk(out) for p in ps}
+    assert after == before
+    main(["push", str(out), "org/fail"])
+    assert "pushed org/fail @" in capsys.readouterr().out
+    root = json.loads(hub.files("org/fail")["config.json"])
+    assert {e["name"]: e["hub_revision"] for e in root["modules"]}["llm"] == \
+        hub.repos["org/fail-llm"]["branches"]["main"]
+    torch.testing.assert_close(logits_of(Captioner.from_pretrained("org/fail"), batch), logits, atol=1e-5, rtol=0)
+
+
+def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision, tmp_path, caplog, monkeypatch):
+    import threading
+
+    import hf_omni.trainer_hub
+
+    caplog.set_level(logging.DEBUG)
+    threads, push = [], hf_omni.trainer_hub.push_saved
+    monkeypatch.setattr(hf_omni.trainer_hub, "push_saved",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or push(*a, **k))
+    model = composed(hub_vision)
+    args = make_args(tmp_path, max_steps=4, modules=MODULES, push_to_hub=True, hub_model_id="org/ckpt",
+                     hub_strategy="checkpoint", save_strategy="steps", save_steps=2, save_async=True,
+                     hub_token=TOKEN, hub_private_repo=True, hub_always_push=True, report_to="tensorboard")
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 32))
+    trainer.train()
+    assert len(threads) == 2 and all(t.startswith("hf_omni_push") for t in threads)
+    messages = [c["message"] for c in hub.commits("org/ckpt-llm")]
+    assert messages[-2:] == ["Training in progress, step 2", "Training in progress, step 4"]
+    assert hub.repos["org/ckpt"]["private"] and hub.repos["org/ckpt-llm"]["private"]
+    files = hub.files("org/ckpt")
+    ckpt = tmp_path / "checkpoint-4"
+    local = {os.path.relpath(os.path.join(b, p), ckpt): os.path.join(b, p) for b, _, ps in os.walk(ckpt) for p in ps}
+    assert "hf_omni_checkpoint.json" in local  # pushed after its marker
+    assert {k[len("last-checkpoint/"):] for k in files if k.startswith("last-checkpoint/")} == set(local)
+    for rel, path in local.items():
+        assert files[f"last-checkpoint/{rel}"] == open(path, "rb").read()
+    # the token: sent to the Hub, written nowhere under output_dir, in no log line
+    assert any(h.get("authorization") == f"Bearer {TOKEN}" for _, _, h in hub.requests)
+    for base, _, names in os.walk(tmp_path):
+        for n in names:
+            assert TOKEN.encode() not in open(os.path.join(base, n), "rb").read(), os.path.join(base, n)
+    assert TOKEN not in caplog.text
+
+
+def test_a_module_that_cannot_be_linked_is_refused_before_any_compute(tmp_path):
+    model = tiny_model()  # built in memory: no Hub origin to link to
+    args = make_args(tmp_path, modules={**MODULES, "vision": {"trainable": False, "push_to_hub": False}},
+                     push_to_hub=True, hub_model_id="org/x")
+    with pytest.raises(ValueError, match=r"module 'vision': push_to_hub is false .* modules\.vision\.hub_model_id"):
+        OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 8))
