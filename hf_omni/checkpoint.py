@@ -7,8 +7,7 @@
            -> optimizer shards (DCP reshards) + scheduler
 
 The layout is in `checkpoint_files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG
-state through `rng.py`; a custom loop uses `accelerator.save_state`).
-"""
+state through `rng.py`; a custom loop uses `accelerator.save_state`)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,9 @@ from . import module_state
 from .config import OmniConfig, module_folder
 from .dist import agreed, checkpoint_group, is_main
 from .module_io import save_module
-from .parallel import full_state_dict
 from .offline import is_released
+from .parallel import full_state_dict
+from .progress import each
 from .save_pipeline import SavePipeline
 from .weights import file_layout, module_tensors, read_into, read_through_transformers
 
@@ -61,8 +61,9 @@ class ModuleCheckpointer:
     """Per-module checkpoints of `model`: `trainable` modules write a folder each; frozen ones are recorded by
     source (a module built in memory is written once to `<output_dir>/frozen/<module>/`)."""
 
-    def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool, verify: bool = False):
-        self.model, self.trainable = model, list(trainable)
+    def __init__(self, model, trainable: list[str], output_dir: str | None, save_async: bool, verify: bool = False,
+                 show_progress: bool = True):
+        self.model, self.trainable, self.show_progress = model, list(trainable), show_progress
         self.output_dir, self.save_async, self.verify = output_dir, save_async, verify
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
         self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
@@ -106,7 +107,7 @@ class ModuleCheckpointer:
         pipeline = self.pipeline
         if pipeline is not None:
             pipeline.begin([getattr(self.model, name) for name in self.trainable])
-        for name in self.trainable:
+        for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
             module = getattr(self.model, name)
             folder = os.path.join(directory, self.model.config.module_entry(name)["subfolder"])
             state = full_state_dict(module)

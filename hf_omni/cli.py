@@ -20,6 +20,7 @@ from .checkpoint_files import check_complete
 from .config import OmniConfig, module_folder
 from .module_io import copy_module_folder
 from .module_state import STATE
+from .progress import each
 
 
 def export(checkpoint: str, out: str) -> None:
@@ -30,7 +31,7 @@ def export(checkpoint: str, out: str) -> None:
     folders = {name: module_folder(checkpoint, config, name) for name in config.module_names}  # all, before writing
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
-    for name, folder in folders.items():
+    for name, folder in each(folders.items(), f"exporting {checkpoint}"):
         copy_module_folder(folder, os.path.join(partial, config.module_entry(name)["subfolder"]))
     config.save_pretrained(partial)
     if os.path.isdir(out):

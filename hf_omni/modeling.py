@@ -37,6 +37,7 @@ from .hub_download import cached_commit, download_composition, is_hub_id, linked
 from .module_classes import per_module, resolve_module_class
 from .offline import is_released
 from .parallel import full_state_dict
+from .progress import each
 
 
 class OmniModel(PreTrainedModel):
@@ -126,7 +127,8 @@ class OmniModel(PreTrainedModel):
         save_directory = str(save_directory)
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
-        for name, module in self.omni_modules().items():
+        for name in each(self.module_names, f"exporting to {save_directory}"):
+            module = getattr(self, name)
             folder = os.path.join(save_directory, self.config.module_entry(name)["subfolder"])
             if is_released(module):  # offline: on the meta device, its files copied from its recorded source
                 source = self.config.module_entry(name).get("source")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .dist import agreed, is_main, rank, world_size
+from .progress import each
 from .shard_writer import raw_bytes
 
 MANIFEST = "manifest.json"
@@ -154,7 +155,7 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict
     method = getattr(model, spec.method)
     out = {"row": [], "value": [], "shape": [], "dtype": []}
     mine = list(range(rank(), len(dataset), world_size()))
-    for start in range(0, len(mine), batch_size):
+    for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):
         chunk = mine[start:start + batch_size]
         items = [dataset[i] for i in chunk]
         have = [j for j, item in enumerate(items) if all(item.get(c) is not None for c in spec.inputs)]

@@ -126,7 +126,8 @@ class OmniPlugin:
         model.prepared = self.wrapping
         self.model = model
         self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async,
-                                               verify=self.args.verify_checkpoint)
+                                               verify=self.args.verify_checkpoint,
+                                               show_progress=not self.args.disable_tqdm)
         self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
         self.build_optimizers(num_training_steps)
         model.train()

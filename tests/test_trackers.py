@@ -30,3 +30,30 @@ def test_tensorboard_event_file_holds_per_module_figures(tmp_path, monkeypatch):
     assert [e.value for e in events.Scalars("train/lr/llm")] == pytest.approx([1e-3] * 4)
     logged = [e for e in trainer.state.log_history if "grad_norm/llm" in e]
     assert [e.value for e in events.Scalars("train/grad_norm/llm")] == pytest.approx([e["grad_norm/llm"] for e in logged])
+
+
+def test_progress_bars_for_checkpoint_writes_exports_and_encoding(tmp_path, capsys):
+    """Bars on stderr while a checkpoint is written, an export copied and an offline cache encoded; none with
+    Trainer's `disable_tqdm` (checkpoints) or transformers' `disable_progress_bar()` (everything)."""
+    from transformers.utils import logging
+
+    from hf_omni.cli import export
+
+    model = tiny_model()
+    modules = {**MODULES, "vision": {"trainable": False}}
+    args = make_args(tmp_path / "run", max_steps=2, modules=modules, save_strategy="steps", save_steps=2,
+                     disable_tqdm=False, offline_modules=["vision"])
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 32))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "export"))
+    export(str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export2"))
+    err = capsys.readouterr().err
+    for bar in ("encoding 'vision' offline", f"saving {tmp_path / 'run' / 'checkpoint-2'}",
+                f"exporting to {tmp_path / 'export'}", "exporting " + str(tmp_path / "run" / "checkpoint-2")):
+        assert bar in err, bar
+    logging.disable_progress_bar()
+    try:
+        export(str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export3"))
+    finally:
+        logging.enable_progress_bar()
+    assert "exporting" not in capsys.readouterr().err
