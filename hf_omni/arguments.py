@@ -171,3 +171,14 @@ class OmniTrainingArguments(TrainingArguments):
             margs.fsdp_settings()  # settings merged from several levels must agree (e.g. min_num_params + classes)
             resolved[name] = margs
         return resolved
+
+
+def top_level_table() -> str:
+    """The README's table of the keys OmniTrainingArguments adds to TrainingArguments, generated from the fields."""
+    own = [f for f in dataclasses.fields(OmniTrainingArguments) if f.name not in TrainingArguments.__dataclass_fields__]
+    rows = ["| top-level key | default | what it does |", "|---|---|---|"]
+    for f in own:
+        if f.init and "help" in f.metadata:
+            text = f.metadata["help"].replace("|", "\\|")  # a pipe inside a cell would split it
+            rows.append(f"| `{f.name}` | `{f.default!r}` | {text} |")
+    return "\n".join(rows)

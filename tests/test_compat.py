@@ -95,6 +95,9 @@ def test_readme_key_table_is_the_declared_fields():
     with open(os.path.join(os.path.dirname(PACKAGE), "README.md")) as f:
         readme = f.read()
     assert key_table() in readme, "README's key table differs from hf_omni.module_arguments.key_table()"
+    from hf_omni.arguments import top_level_table
+
+    assert top_level_table() in readme, "README's top-level key table differs from hf_omni.arguments.top_level_table()"
     documented = re.findall(r"^\| `(\w+)` \| `", readme.split("| key | default |")[1].split("\n\n")[0], re.M)
     assert tuple(documented) == MODULE_KEYS
 
