@@ -203,3 +203,22 @@ def test_a_module_that_cannot_be_linked_is_refused_before_any_compute(tmp_path):
                      push_to_hub=True, hub_model_id="org/x")
     with pytest.raises(ValueError, match=r"module 'vision': push_to_hub is false .* modules\.vision\.hub_model_id"):
         OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 8))
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "all_checkpoints"])
+def test_every_save_and_all_checkpoints_push_at_each_save(hub, hub_vision, tmp_path, strategy):
+    model = composed(hub_vision)
+    repo = f"org/{strategy.replace('_', '-')}"
+    args = make_args(tmp_path, max_steps=4, modules=MODULES, push_to_hub=True, hub_model_id=repo,
+                     hub_strategy=strategy, hub_layout="single", save_strategy="steps", save_steps=2,
+                     save_total_limit=1, hub_always_push=True)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 32))
+    trainer.train()
+    messages = [c["message"] for c in hub.commits(repo)]
+    assert messages[-2:] == ["Training in progress, step 2", "Training in progress, step 4"]
+    files = hub.files(repo)
+    folders = {p.split("/")[0] for p in files if "/" in p}
+    expected = {"projector", "llm"} | ({"checkpoint-2", "checkpoint-4"} if strategy == "all_checkpoints" else set())
+    assert folders == expected  # vision linked; no checkpoint folders with every_save
+    assert files["llm/model.safetensors"] == (tmp_path / "checkpoint-4" / "llm" / "model.safetensors").read_bytes()
+    assert not (tmp_path / "checkpoint-2").exists()  # rotated once its push was done
