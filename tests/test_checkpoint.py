@@ -107,6 +107,8 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path):
     assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-15")
     assert rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-10")) == []  # newest and best both stay
     assert partial.exists()
+    assert rotate(str(tmp_path), 1, busy=(str(tmp_path / "checkpoint-10"),)) == []  # being pushed to the Hub
+    assert rotate(str(tmp_path), 1) == [str(tmp_path / "checkpoint-10")]
 
 
 def test_export_equals_save_model(tmp_path):

@@ -163,7 +163,8 @@ def test_failed_push_names_the_module_and_a_rerun_completes_it(hub, trained, cap
     torch.testing.assert_close(logits_of(Captioner.from_pretrained("org/fail"), batch), logits, atol=1e-5, rtol=0)
 
 
-def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision, tmp_path, caplog, monkeypatch):
+def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision, tmp_path, caplog, capfd,
+                                                                monkeypatch):
     import threading
 
     import hf_omni.trainer_hub
@@ -194,7 +195,8 @@ def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision,
     for base, _, names in os.walk(tmp_path):
         for n in names:
             assert TOKEN.encode() not in open(os.path.join(base, n), "rb").read(), os.path.join(base, n)
-    assert TOKEN not in caplog.text
+    out, err = capfd.readouterr()
+    assert TOKEN not in caplog.text and TOKEN not in out and TOKEN not in err and "Training in progress" not in err
 
 
 def test_a_module_that_cannot_be_linked_is_refused_before_any_compute(tmp_path):
