@@ -23,7 +23,7 @@ from .module_arguments import MODULE_FIELDS, MODULE_KEYS, FsdpSettings, ModuleAr
 
 FSDP_SCOPES = ("module", "model")
 GRAD_CLIP_SCOPES = ("per_module", "global")
-JSON_KEYS = ("modules", "lora", "fsdp_plugin")
+JSON_KEYS = ("modules", "lora", "fsdp_plugin", "parallelism")
 
 
 @dataclass
@@ -35,6 +35,8 @@ class OmniTrainingArguments(TrainingArguments):
     lora: dict | str | None = field(default=None, metadata={"help": field_help("lora") + " (JSON on the CLI)"})
     parallel: str = field(default="ddp", metadata={"help": field_help("parallel")})
     fsdp_plugin: dict | str | None = field(default=None, metadata={"help": field_help("fsdp_plugin") + " (JSON)"})
+    parallelism: dict | str | None = field(default=None, metadata={
+        "help": field_help("parallelism") + " (JSON on the CLI)"})
     fsdp_scope: str = field(
         default="module", metadata={"help": "module: each module wraps itself | model: one wrap of the whole model."})
     grad_clip_scope: str = field(
@@ -128,8 +130,12 @@ class OmniTrainingArguments(TrainingArguments):
                                         "top-level max_grad_norm")
             if overlay.get("fsdp_plugin"):  # merged with the top level, the settings must still agree
                 FsdpSettings.check_overlay(name, merge_overlay(self.fsdp_plugin or {}, overlay["fsdp_plugin"]))
+            if "parallelism" in overlay and overlay["parallelism"] is not None and \
+                    overlay.get("parallel", self.parallel) != "fsdp":
+                raise OmniArgumentError(name, "parallelism", "sets a mesh for `parallel: fsdp` modules; this one is "
+                                        f"`parallel: {overlay.get('parallel', self.parallel)}`")
             if self.fsdp_scope == "model":
-                for key in ("parallel", "fsdp_plugin"):
+                for key in ("parallel", "fsdp_plugin", "parallelism"):
                     if key in overlay:
                         raise OmniArgumentError(name, key, "fsdp_scope is model: the composed model is wrapped once "
                                                 "with the top-level fsdp_plugin")

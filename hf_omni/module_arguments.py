@@ -121,6 +121,12 @@ def _check_repo_id(module: str | None, repo_id: str) -> None:
         raise OmniArgumentError(module, "hub_model_id", f"not a Hub repo id: {err}") from None
 
 
+def _check_parallelism(module: str | None, value: dict) -> None:
+    from .parallel.mesh import check_parallelism
+
+    check_parallelism(module, value)
+
+
 PARALLEL_CHOICES = ("fsdp", "ddp", "none")
 
 
@@ -151,6 +157,10 @@ class ModuleArguments:
                         choices=PARALLEL_CHOICES)
     fsdp_plugin: dict = key({}, (dict,), "FsdpSettings for a `parallel: fsdp` module (merged key by key)",
                             nullable=True, check=_check_fsdp)
+    parallelism: dict | None = key(None, (dict,), "a `parallel: fsdp` module's mesh, Accelerate's ParallelismConfig "
+                                   "fields: {dp_shard_size: N} full shard (default: the world), {dp_replicate_size: "
+                                   "R, dp_shard_size: S} HSDP; R x S = world size", nullable=True,
+                                   check=_check_parallelism)
     ddp_find_unused_parameters: bool | None = key(
         None, (bool,), "`parallel: ddp`: DDP's find_unused_parameters (unset: true unless activation checkpointing, "
         "as Trainer)", nullable=True)

@@ -1,11 +1,55 @@
-"""Where a module's class comes from, and per-module loading options (`device_map`, `dtype`)."""
+"""Where a module's class comes from (by name, never remote code; under an in-place wrapper), what transformers
+saves a wrapped module as, and per-module loading options (`device_map`, `dtype`)."""
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+from torch import nn
 from transformers import PreTrainedModel
 
-from .compat import registered_auto_classes
+from .compat import in_place_wrapper_classes, registered_auto_classes
 from .config import OmniConfig
+
+SAVE_VIEWS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def original_class(module: nn.Module) -> type:
+    """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
+    wrappers = in_place_wrapper_classes()
+    cls = type(module)
+    while len(cls.__bases__) == 2 and cls.__bases__[0] in wrappers:
+        cls = cls.__bases__[1]
+    return cls
+
+
+def save_view(module: nn.Module) -> nn.Module:
+    """What transformers' `save_pretrained` is called on: the module, or — wrapped in place (`FSDPViTModel`) — a
+    meta-device model of its original class, config and dtype. Transformers looks its save-time key conversion
+    (ViT's renaming) up by class name: on the wrapped class it would write another layout than an unwrapped save,
+    and the folder would not load elsewhere."""
+    import copy
+
+    from accelerate import init_empty_weights
+
+    cls = original_class(module)
+    if type(module) is cls:
+        return module
+    if module not in SAVE_VIEWS:
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        previous = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with init_empty_weights(include_buffers=True):
+                view = cls(copy.deepcopy(module.config))
+        finally:
+            torch.set_default_dtype(previous)
+        if getattr(module, "generation_config", None) is not None:
+            view.generation_config = copy.deepcopy(module.generation_config)
+        SAVE_VIEWS[module] = view
+    return SAVE_VIEWS[module]
+
 
 
 def resolve_module_class(class_name: str, module: str) -> type[PreTrainedModel]:

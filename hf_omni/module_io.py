@@ -17,21 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .compat import adopt_loaded_adapter, in_place_wrapper_classes
+from .compat import adopt_loaded_adapter
+from .module_classes import original_class, save_view  # noqa: F401 (original_class re-exported)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
-
-
-def original_class(module: nn.Module) -> type:
-    """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
-    wrappers = in_place_wrapper_classes()
-    cls = type(module)
-    while len(cls.__bases__) == 2 and cls.__bases__[0] in wrappers:
-        cls = cls.__bases__[1]
-    return cls
 
 
 def lora_config_of(module: nn.Module):
@@ -136,7 +128,7 @@ def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def write_module_files(module, folder, weights, lora, adapter, processor) -> None:
     os.makedirs(folder, exist_ok=True)
-    module.save_pretrained(folder, state_dict=weights)
+    save_view(module).save_pretrained(folder, state_dict=weights)
     record_original_class(folder, original_class(module))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):

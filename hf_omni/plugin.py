@@ -81,6 +81,11 @@ class OmniPlugin:
         return self.wrapping.wrapped
 
     @property
+    def meshes(self) -> dict:
+        """Module -> its `DeviceMesh` (`parallel: fsdp` modules; shared between modules of one shape)."""
+        return self.wrapping.meshes
+
+    @property
     def fsdp_plugins(self) -> dict:
         return self.wrapping.fsdp_plugins
 

@@ -24,6 +24,7 @@ from torch import nn
 from .compat import init_lora_layer, init_weights, transformers_save_keys
 from .module_io import (
     ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of, original_class,
+    save_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def file_layout(module: nn.Module) -> dict[str, tuple[str, str]]:
                     for n, t in module_tensors(module).items()}
     owner = {id(t): n for n, t in placeholders.items()}
     layout = {}
-    for key, t in transformers_save_keys(module, base_state_dict(placeholders)).items():
+    for key, t in transformers_save_keys(save_view(module), base_state_dict(placeholders)).items():
         if id(t) in owner:
             layout[owner[id(t)]] = (WEIGHTS, key)
     if lora_config_of(module) is not None:
@@ -94,17 +95,18 @@ def file_layout(module: nn.Module) -> dict[str, tuple[str, str]]:
 
 
 def local_rows(tensor) -> tuple[int, int] | None:
-    """Rows [start, stop) of dim 0 this rank holds of a DTensor sharded on dim 0 (torch.chunk layout); None for a
-    plain tensor."""
+    """Rows [start, stop) of dim 0 this rank holds of a DTensor sharded on dim 0 (torch.chunk layout) over one
+    mesh dimension, replicated over any other (HSDP); None for a plain tensor."""
     if not hasattr(tensor, "to_local"):
         return None
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    (placement,) = tensor.placements
-    if not isinstance(placement, Shard) or placement.dim != 0:
-        raise NotImplementedError(f"hf_omni reads dim-0 shards only, got {tensor.placements}")
+    sharded = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim == 0]
+    if len(sharded) != 1 or any(not isinstance(p, (Shard, Replicate)) for p in tensor.placements) or \
+            len(sharded) + sum(isinstance(p, Replicate) for p in tensor.placements) != len(tensor.placements):
+        raise NotImplementedError(f"hf_omni reads dim-0 shards (replicated elsewhere) only, got {tensor.placements}")
     mesh = tensor.device_mesh
-    rank, world = mesh.get_local_rank(), mesh.size()
+    rank, world = mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
     full = tensor.shape[0]
     chunk = -(-full // world)
     start = min(rank * chunk, full)

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from ..compat import fsdp_lazy_init_root
-from ..dist import has_process_group
+from ..dist import has_process_group, world_size
 from ..module_arguments import FsdpSettings, ModuleArguments
 from ..offline import is_released
 from ..weights import fill_module
 from . import ddp, fsdp, none
+from .mesh import Meshes, mesh_shape
 from .tuning import apply_training_mode
 
 
@@ -35,6 +36,7 @@ class WrappedModules:
     fsdp_plugins: dict = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)
     sync_units: list[tuple[nn.Module, str, bool]] = field(default_factory=list)  # (unit, strategy, keep_gathered)
+    meshes: dict = field(default_factory=dict)  # module -> its DeviceMesh (`parallel: fsdp` modules)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -76,6 +78,9 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
     device = accelerator.device
     plan = plan_wrapping(module_args, trainable, fsdp_scope)
     result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable))
+    shapes = {name: mesh_shape(name, module_args[name].parallelism, world_size()) for name in plan
+              if plan[name] == "fsdp" and fsdp_scope == "module"}  # every mesh error before anything is placed
+    meshes = Meshes(device.type)
     pending = dict(model.pending_weights)
     shard_later = {n: f for n, f in pending.items() if plan[n] == "fsdp" and fsdp_scope == "module"}
     # offline modules (`offline.release`): on the meta device for good, never placed, wrapped or filled
@@ -97,8 +102,9 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
         else:
             for name, margs in module_args.items():
                 if name not in released:
+                    mesh = meshes.get(shapes[name]) if name in shapes else None
                     _wrap(result, getattr(model, name), name, plan[name], margs, device,
-                          lazy_init=name not in shard_later)
+                          lazy_init=name not in shard_later, mesh=mesh)
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
         offload = module_args[name].fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU
         fill_module(getattr(model, name), folder, torch.device("cpu") if offload else device, name)
@@ -108,9 +114,9 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
 
 
 def _wrap(result: WrappedModules, module: nn.Module, name: str, strategy: str, margs: ModuleArguments,
-          device: torch.device, lazy_init: bool) -> None:
+          device: torch.device, lazy_init: bool, mesh=None) -> None:
     if strategy == "fsdp":
-        _wrap_fsdp(result, module, name, margs.fsdp_settings(), device, lazy_init)
+        _wrap_fsdp(result, module, name, margs.fsdp_settings(), device, lazy_init, mesh)
     elif strategy == "ddp":
         ddp.apply(module, device, margs.ddp_kwargs())
         result.sync_units.append((module, "ddp", False))
@@ -119,7 +125,9 @@ def _wrap(result: WrappedModules, module: nn.Module, name: str, strategy: str, m
 
 
 def _wrap_fsdp(result: WrappedModules, module: nn.Module, name: str, settings: FsdpSettings, device: torch.device,
-               lazy_init: bool) -> None:
+               lazy_init: bool, mesh=None) -> None:
     plugin = result.fsdp_plugins[name] = fsdp.build_plugin(module, name, settings)
-    fsdp.apply(module, name, plugin, device, lazy_init=lazy_init)
+    fsdp.apply(module, name, plugin, device, lazy_init=lazy_init, mesh=mesh)
+    if mesh is not None:
+        result.meshes[name] = mesh
     result.sync_units.append((module, "fsdp", not settings.reshard_after_backward))

@@ -104,16 +104,18 @@ def _embeddings(module: nn.Module):
     return found
 
 
-def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True) -> nn.Module:
-    """Apply `plugin` to `module` in place with `fully_shard` over all ranks. `lazy_init=False` for a module on the
-    meta device: call `fsdp_lazy_init_root` once its shards are filled."""
+def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True,
+          mesh=None) -> nn.Module:
+    """Apply `plugin` to `module` in place with `fully_shard` on `mesh` (1-D: full shard; 2-D: HSDP; default: all
+    ranks). `lazy_init=False` for a module on the meta device: call `fsdp_lazy_init_root` once its shards are
+    filled."""
     import torch.distributed as dist
     from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward,
                   offload_policy=plugin.cpu_offload or OffloadPolicy(),
                   mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())

@@ -1,0 +1,59 @@
+"""Per-module device meshes for `parallel: fsdp` modules, set by a module's `parallelism` entry with the field
+names and rules of Accelerate's `ParallelismConfig`: `{dp_shard_size: N}` shards over N ranks (the default: the
+whole world); `{dp_replicate_size: R, dp_shard_size: S}` is HSDP (`fully_shard` on an R x S mesh: shards within
+groups of S ranks, replicas across them). R x S must equal the world size: every mesh spans every rank, and every
+rank runs every module on its own batch. A replicate-only entry is `parallel: ddp`'s job; tensor, context and
+sequence parallelism are refused (they would need activations moved between module boundaries).
+Meshes are built once per distinct shape, on every rank in the same order, and shared between modules.
+"""
+
+from __future__ import annotations
+
+from ..errors import OmniArgumentError
+
+SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+DIM_NAMES = ("dp_replicate", "dp_shard")
+
+
+def check_parallelism(module: str | None, value: dict) -> None:
+    """Parse-time checks of a `parallelism` entry (the world size is checked at `prepare`)."""
+    for key, size in value.items():
+        if key not in SIZES:
+            raise OmniArgumentError(module, f"parallelism.{key}", f"unknown key; known: {list(SIZES)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OmniArgumentError(module, f"parallelism.{key}", f"must be an integer >= 1, got {size!r}")
+        if key in ("tp_size", "cp_size", "sp_size") and size > 1:
+            raise OmniArgumentError(module, f"parallelism.{key}", "tensor, context and sequence parallelism are "
+                                    "not supported per module (they need activations moved between modules); "
+                                    "use dp_replicate_size / dp_shard_size")
+    if value.get("dp_replicate_size", 1) > 1 and value.get("dp_shard_size", 1) == 1:
+        raise OmniArgumentError(module, "parallelism.dp_shard_size", "replicas without sharding are plain data "
+                                "parallelism: use `parallel: ddp` (as Accelerate's ParallelismConfig says)")
+
+
+def mesh_shape(module: str, value: dict | None, world: int) -> tuple[int, ...]:
+    """The module's mesh shape at this world size: `(S,)` for full shard, `(R, S)` for HSDP."""
+    if not value:
+        return (world,)
+    replicate, shard = value.get("dp_replicate_size", 1), value.get("dp_shard_size", 1)
+    if replicate * shard != world:
+        raise OmniArgumentError(module, "parallelism", f"dp_replicate_size x dp_shard_size = {replicate} x {shard} = "
+                                f"{replicate * shard}, but the world size is {world}: they must be equal (every "
+                                "module's mesh spans every rank, as Accelerate's ParallelismConfig requires)")
+    return (shard,) if replicate == 1 else (replicate, shard)
+
+
+class Meshes:
+    """One `DeviceMesh` per distinct shape, built on first use (every rank asks in the same module order)."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.by_shape: dict[tuple[int, ...], object] = {}
+
+    def get(self, shape: tuple[int, ...]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if shape not in self.by_shape:
+            names = DIM_NAMES[-len(shape):]
+            self.by_shape[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self.by_shape[shape]

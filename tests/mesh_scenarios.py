@@ -1,0 +1,33 @@
+"""Per-module meshes at 4 ranks (tests/scripts/mp_mesh.py) against 1 rank (tests/test_mesh_multiprocess.py):
+each module full shard, HSDP 2x2 or replicated (DDP) in one model, with global and per-module clipping; the
+same global batch (2 per rank x 4, 8 at 1 rank)."""
+
+HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
+LLM = {"learning_rate": 1e-3, "parallel": "fsdp"}
+MIXED = {  # three meshes in one model: vision full shard over 4, projector HSDP 2x2, llm HSDP 2x2 (shared mesh)
+    "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {"dp_shard_size": 4}},
+    "projector": {"learning_rate": 3e-3, "parallel": "fsdp", "parallelism": HSDP},
+    "llm": {**LLM, "parallelism": HSDP},
+}
+REPLICATED = {  # llm replicated (DDP), projector full shard, vision HSDP; each clipped to its own limit
+    "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": HSDP, "max_grad_norm": 0.2},
+    "projector": {"learning_rate": 3e-3, "parallel": "fsdp", "max_grad_norm": 0.05},
+    "llm": {"learning_rate": 1e-3, "parallel": "ddp", "max_grad_norm": 0.5},
+}
+COMMON = dict(max_steps=4)
+MULTI, SINGLE = dict(per_device_train_batch_size=2), dict(per_device_train_batch_size=8)
+
+
+def scenario(modules, model="tiny_model", atol=1e-5, **extra):
+    return {"multi": dict(COMMON, modules=modules, **MULTI, **extra),
+            "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
+
+
+SCENARIOS = {
+    # global clipping across three meshes (pytorch#180346 is one clip over several meshes): a limit that clips
+    "mixed_global_clip": scenario(MIXED, grad_clip_scope="global", max_grad_norm=0.05, save_strategy="steps",
+                                  save_steps=2),
+    "replicated_per_module_clip": scenario(REPLICATED),
+    "hsdp_empty_init": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+                                 "llm": {**LLM, "parallelism": HSDP, "max_grad_norm": 0.5}}, model="empty_init_model"),
+}

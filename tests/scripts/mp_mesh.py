@@ -1,0 +1,44 @@
+"""Run under `accelerate launch --multi_gpu --num_processes 4` (gloo, use_cpu): every mesh scenario in one launch.
+
+Usage: mp_mesh.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full weights, and facts about
+the meshes (each module's mesh shape, one parameter's placements, bytes held by this rank)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import helpers  # noqa: E402
+from mesh_scenarios import SCENARIOS  # noqa: E402
+from mp_scenarios import full_state_dict, sharding_facts  # noqa: E402
+
+from hf_omni import OmniTrainer  # noqa: E402
+
+
+def main(out_dir: str):
+    os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
+    for name, spec in SCENARIOS.items():
+        model = getattr(helpers, spec["model"])()
+        args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
+        trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
+        trainer.train()
+        meshes = trainer.plugin.meshes
+        facts = {
+            "world_size": dist.get_world_size(),
+            "wrapped": dict(trainer.plugin.wrapped),
+            "mesh_shapes": {n: tuple(m.shape) for n, m in meshes.items()},
+            "shared": {a: [b for b in meshes if meshes[b] is meshes[a]] for a in meshes},
+            "placements": {n: str(next(getattr(model, n).parameters()).placements) for n in meshes},
+            "sharding": sharding_facts(model),
+        }
+        state = full_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save({"losses": helpers.step_losses(trainer), "state": state, "facts": facts},
+                       os.path.join(out_dir, f"{name}.pt"))
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

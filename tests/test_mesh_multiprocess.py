@@ -1,0 +1,76 @@
+"""Each module on its own device mesh: 4 gloo ranks (one `accelerate launch` runs every scenario) against 1 rank
+with the same global batch; a checkpoint saved under HSDP 2x2 at 4 ranks resumes in one process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import helpers
+from helpers import assert_state_close, make_args, step_losses, tiny_data
+from mesh_scenarios import SCENARIOS
+from mp_scenarios import full_state_dict
+
+from hf_omni import OmniTrainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(script: str, out, processes: int, timeout: int = 900) -> None:
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29541",
+           os.path.join(HERE, "scripts", script), str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env["OMP_NUM_THREADS"] = "1"  # 4 ranks on few cores
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
+        raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four_ranks")
+    launch("mp_mesh.py", out, 4)
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in SCENARIOS} | {"_dir": out}
+
+
+def single_rank(tmp_path, name, **overrides):
+    model = getattr(helpers, SCENARIOS[name]["model"])()
+    args = make_args(tmp_path / name, **{**SCENARIOS[name]["single"], **overrides})
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model))
+    return trainer, model
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_four_ranks_on_per_module_meshes_equal_one_rank(four_ranks, tmp_path, name):
+    trainer, model = single_rank(tmp_path, name)
+    trainer.train()
+    got = four_ranks[name]
+    assert got["facts"]["world_size"] == 4
+    assert got["losses"] == pytest.approx(step_losses(trainer), abs=SCENARIOS[name]["atol"])
+    assert_state_close(got["state"], full_state_dict(model), atol=SCENARIOS[name]["atol"])
+
+
+def test_meshes_are_what_each_module_asked_for(four_ranks):
+    facts = four_ranks["mixed_global_clip"]["facts"]
+    assert facts["mesh_shapes"] == {"vision": (4,), "projector": (2, 2), "llm": (2, 2)}
+    assert facts["shared"]["llm"] == ["projector", "llm"]  # one mesh per shape, shared
+    assert facts["placements"]["llm"] == "(Replicate(), Shard(dim=0))"
+    for name, parts in (("vision", 4), ("llm", 2)):  # HSDP: each rank holds half the llm, a quarter of vision
+        sharding = facts["sharding"][name]
+        assert sharding["local_bytes"] == pytest.approx(sharding["full_bytes"] / parts, rel=0.2)  # rank 0: ceil rows
+    replicated = four_ranks["replicated_per_module_clip"]["facts"]
+    assert replicated["wrapped"]["llm"] == "ddp" and "llm" not in replicated["mesh_shapes"]
+    assert replicated["mesh_shapes"] == {"vision": (2, 2), "projector": (4,)}
+
+
+def test_hsdp_checkpoint_resumes_in_one_process(four_ranks, tmp_path):
+    """checkpoint-2 written at 4 ranks (vision full shard, projector and llm HSDP 2x2) resumes in one process and
+    ends where the 4-rank run ended."""
+    got = four_ranks["mixed_global_clip"]
+    trainer, model = single_rank(tmp_path, "mixed_global_clip")
+    trainer.train(resume_from_checkpoint=str(four_ranks["_dir"] / "mixed_global_clip" / "checkpoint-2"))
+    assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)  # steps 1-2 from trainer_state.json
+    assert_state_close(got["state"], full_state_dict(model), atol=1e-5)
