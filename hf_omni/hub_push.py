@@ -15,6 +15,7 @@ push raises `HubPushError` naming the module and repo, and pushing again complet
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from .model_card import composition_card, module_card, read_summary
 from .module_io import module_files
 
 LAYOUTS = ("per_module", "single")
+logger = logging.getLogger(__name__)
 
 
 class HubPushError(RuntimeError):
@@ -53,12 +55,15 @@ def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str
         name, own = entry["name"], overrides.get(entry["name"]) or {}
         want, own_repo = own.get("push_to_hub"), own.get("hub_model_id")
         origin = entry.get("hub_repo")
-        link = want is False or (want is None and entry.get("trained") is False and origin is not None)
+        link = want is False or (want is None and entry.get("trained") is False and origin is not None
+                                 and not entry.get("processor") and root is not None
+                                 and same_weights(module_folder(root, config, name), origin, entry.get("hub_revision")))
         if link:
-            target = own_repo or origin
+            target = own_repo or (origin if entry.get("trained") is False else None)
             if target is None:
-                raise ValueError(f"module {name!r}: push_to_hub is false but it has no Hub repo to link (it was not "
-                                 f"loaded from the Hub): set modules.{name}.hub_model_id to the repo that holds it")
+                raise ValueError(f"module {name!r}: push_to_hub is false but it has no Hub repo to link (it was "
+                                 "trained, or not loaded from the Hub): set modules."
+                                 f"{name}.hub_model_id to the repo that holds it")
             revision = entry.get("hub_revision") if target == origin else None
             plans.append(ModulePush(name, True, target, revision))
             continue
@@ -73,7 +78,38 @@ def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str
             validate_repo_id(plan.repo_id)
         except HFValidationError as err:
             raise ValueError(f"module {plan.name!r}: {plan.repo_id!r} is not a Hub repo id ({err})") from None
+    targets = [p.repo_id for p in plans if not p.link and layout == "per_module"]
+    clash = sorted({t for t in targets if targets.count(t) > 1 or t == repo_id})
+    if clash:
+        raise ValueError(f"push: modules would share the repos {clash} (with each other or the composition "
+                         f"{repo_id}): set distinct modules.<name>.hub_model_id")
     return plans
+
+
+def same_weights(folder: str, repo_id: str, revision: str | None) -> bool:
+    """Whether the module saved in `folder` holds exactly the tensors of `repo_id` at `revision` (the commit it was
+    recorded as loaded at): only then is linking it right. Anything unknown (no commit, a download error) is
+    not the same."""
+    import glob
+
+    import torch
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+    from safetensors.torch import load_file
+
+    if not revision:
+        return False
+    try:
+        remote = snapshot_download(repo_id, revision=revision, allow_patterns=["*.safetensors"])
+    except (OSError, ValueError, HfHubHTTPError) as err:  # offline, gone, gated: upload instead of linking blind
+        logger.info("hf_omni: %s@%s not comparable (%s): uploading instead of linking", repo_id, revision, err)
+        return False
+
+    def tensors(where: str) -> dict:
+        return {k: v for f in sorted(glob.glob(os.path.join(where, "*.safetensors"))) for k, v in load_file(f).items()}
+
+    ours, theirs = tensors(folder), tensors(remote)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def module_operations(folder: str, prefix: str, card: str | None, own_repo: str | None = None) -> list:
@@ -92,11 +128,10 @@ def module_operations(folder: str, prefix: str, card: str | None, own_repo: str 
     return ops + ([CommitOperationAdd(f"{prefix}README.md", card.encode())] if card is not None else [])
 
 
-def folder_operations(api, repo_id: str, revision: str | None, token, folders: dict[str, str]) -> list:
-    """Each local folder added under its path in the repo, and the files a previous push left there that this one
-    does not have deleted (`last-checkpoint/` must not keep another world size's shards)."""
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+def folder_operations(folders: dict[str, str]) -> list:
+    """Each local folder added under its path in the repo (what a previous push left there is deleted by `commit`:
+    `last-checkpoint/` must not keep another world size's shards)."""
+    from huggingface_hub import CommitOperationAdd
 
     ops = []
     for path_in_repo, folder in folders.items():
@@ -104,24 +139,33 @@ def folder_operations(api, repo_id: str, revision: str | None, token, folders: d
             for n in sorted(names):
                 local = os.path.join(base, n)
                 rel = os.path.relpath(local, folder).replace(os.sep, "/")
-                ops.append(CommitOperationAdd(f"{path_in_repo}/{rel}", local))
-    if not folders:
-        return ops
-    try:
-        existing = api.list_repo_files(repo_id, revision=revision, token=token)
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        existing = []
-    added = {op.path_in_repo for op in ops}
-    stale = [p for p in existing if p not in added and any(p.startswith(f"{f}/") for f in folders)]
-    return ops + [CommitOperationDelete(p) for p in stale]
+                content = scrubbed_config(local) if rel == "config.json" else local  # no local path leaves
+                ops.append(CommitOperationAdd(f"{path_in_repo}/{rel}", content))
+    return ops
 
 
-def commit(api, repo_id: str, operations: list, message: str, what: str, token, private, revision) -> str:
-    """One commit to `repo_id` (created if missing; `revision` a branch created from main if missing)."""
+def scrubbed_config(path: str) -> bytes:
+    """A root config without the local `source` paths of its modules."""
+    with open(path) as f:
+        config = json.load(f)
+    config["modules"] = [{**m, "source": None} for m in config.get("modules", [])]
+    return json.dumps(config, indent=2, sort_keys=True).encode()
+
+
+def commit(api, repo_id: str, operations: list, message: str, what: str, token, private, revision,
+           managed=lambda path: path != ".gitattributes") -> str:
+    """One commit to `repo_id` (created if missing; `revision` a branch created from main if missing). Files a
+    previous push left under the paths this push manages (`managed(path)`) and does not write again are deleted in
+    the same commit: a stale adapter or shard must not load beside the new weights."""
+    from huggingface_hub import CommitOperationDelete
+
     try:
         api.create_repo(repo_id, token=token, private=private, exist_ok=True)
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+        added = {op.path_in_repo for op in operations}
+        existing = api.list_repo_files(repo_id, revision=revision, token=token)
+        operations = operations + [CommitOperationDelete(p) for p in existing if p not in added and managed(p)]
         info = api.create_commit(repo_id, operations, commit_message=message, token=token, revision=revision)
     except Exception as err:  # network, HTTP or file errors: one error naming what was pushed where
         raise HubPushError(f"{what}: pushing to {repo_id} failed: {type(err).__name__}: {err}") from err
@@ -179,8 +223,9 @@ def push_saved(root: str, repo_id: str, *, layout: str = "per_module", modules: 
         if cards:
             card = composition_card(repo_id, entries, config.omni_class, summary, [p.repo_id for p in plans if p.link])
             composition_ops.append(CommitOperationAdd("README.md", card.encode()))
-        composition_ops += folder_operations(api, repo_id, revision, token, extra_folders or {})
+        composition_ops += folder_operations(extra_folders or {})
+        prefixes = tuple(f"{e['subfolder']}/" for e in entries) + tuple(f"{p}/" for p in extra_folders or {})
         commits[repo_id] = commit(api, repo_id, composition_ops, commit_message, "the composition", token, private,
-                                  revision)
+                                  revision, managed=lambda p: p in ("config.json", "README.md") or p.startswith(prefixes))
         bar.update(1)
     return commits

@@ -180,6 +180,8 @@ class OmniModel(PreTrainedModel):
         else:
             config = OmniConfig.from_pretrained(root)
             folders = linked_folders(root, config, hub["token"], hub["cache_dir"])
+        for entry in config.modules:  # unknown until a run prepares this model again (a push then verifies links)
+            entry["trained"] = None
         placement, dtypes = per_module(device_map, config, "device_map"), per_module(dtype, config, "dtype")
         if empty_init and (device_map is not None or dtype is not None or merge_lora):
             raise ValueError("from_pretrained: empty_init (training) takes no device_map, dtype or merge_lora")

@@ -71,8 +71,7 @@ class OmniTrainer(HubPushMixin, Trainer):
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self.plugin.close()  # an async save still in flight gets its marker (and its push); buffers released
-        if self.is_world_process_zero():
-            self.hub_push.finish()  # the run's last push, done; its error if it failed
+        self.hub_push.finish(self.plugin.checkpointer.group)  # the run's last push done; its error on every rank
         return output
 
     def _serve_offline(self) -> None:

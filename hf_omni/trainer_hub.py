@@ -68,11 +68,20 @@ class BackgroundPush:
         """The checkpoint folder a push is reading, while it runs."""
         return (self._folder,) if self._folder and not self.is_done() else ()
 
-    def finish(self) -> None:
-        """Wait for the push in flight; raise its error if it failed (the last push of a run)."""
+    def finish(self, group=None) -> None:
+        """Wait for the push in flight (rank 0's); if it failed (the last push of a run), rank 0 raises its error and
+        every other rank a `RankFailure` naming it, so no rank goes on to a collective the others never join."""
+        from .dist import RankFailure, share_failure
+
         self.wait_until_done()
-        if self._future is not None and self._future.exception() is not None:
-            raise self._future.exception()
+        error = self._future.exception() if self._future is not None else None
+        self._future = None  # reported once: a second train() does not raise it again
+        try:
+            share_failure(error, "the run's last push to the Hub", group)
+        except RankFailure:
+            if error is not None:
+                raise error from None
+            raise
 
     def close(self) -> None:
         if self._executor is not None:
@@ -111,10 +120,10 @@ class HubPushMixin:
         if self.hub_model_id is None:
             self.init_hf_repo(token=token if token is not None else self.args.hub_token, private=private)
             self.push_in_progress = self.hub_push
+        self.hub_push.wait_until_done()  # the push in flight reads output_dir: not rewritten under it
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
-        self.hub_push.wait_until_done()
         job = self._push_job(self.args.output_dir, commit_message or "End of training", token, revision, private)
         return job() if blocking else self.hub_push.submit(job)
 

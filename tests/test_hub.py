@@ -39,7 +39,8 @@ def hub_vision(hub, tmp_path_factory):
     from transformers import ViTModel
 
     folder = tmp_path_factory.mktemp("vit")
-    tiny_model().vision.save_pretrained(folder)
+    torch.manual_seed(0)
+    ViTModel(tiny_model().vision.config).save_pretrained(folder)  # with its pooler: a load reads every tensor
     api = huggingface_hub.HfApi()
     api.create_repo("org/vit-tiny", exist_ok=True)
     api.upload_folder(repo_id="org/vit-tiny", folder_path=str(folder))
@@ -189,6 +190,11 @@ def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision,
     assert "hf_omni_checkpoint.json" in local  # pushed after its marker
     assert {k[len("last-checkpoint/"):] for k in files if k.startswith("last-checkpoint/")} == set(local)
     for rel, path in local.items():
+        if rel == "config.json":  # the root config, without local source paths
+            pushed, mine = json.loads(files["last-checkpoint/config.json"]), json.load(open(path))
+            sources = [m.pop("source") for m in mine["modules"]]
+            assert [m.pop("source") for m in pushed["modules"]] == [None] * 3 and any(sources) and pushed == mine
+            continue
         assert files[f"last-checkpoint/{rel}"] == open(path, "rb").read()
     # the token: sent to the Hub, written nowhere under output_dir, in no log line
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for _, _, h in hub.requests)
@@ -224,3 +230,32 @@ def test_every_save_and_all_checkpoints_push_at_each_save(hub, hub_vision, tmp_p
     assert folders == expected  # vision linked; no checkpoint folders with every_save
     assert files["llm/model.safetensors"] == (tmp_path / "checkpoint-4" / "llm" / "model.safetensors").read_bytes()
     assert not (tmp_path / "checkpoint-2").exists()  # rotated once its push was done
+
+
+def test_a_frozen_module_that_differs_from_its_hub_commit_is_uploaded_not_linked(hub, hub_vision, tmp_path):
+    """Linking is verified: a frozen module whose tensors are not those of its recorded commit (changed after
+    loading, or a different commit) is uploaded, so the composition loads what was trained."""
+    model = composed(hub_vision)
+    with torch.no_grad():
+        model.vision.embeddings.cls_token.add_(1.0)  # changed by hand, not by the run: frozen all the same
+    args = make_args(tmp_path, max_steps=2, modules=MODULES, push_to_hub=True, hub_model_id="org/changed",
+                     hub_strategy="end")
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 16))
+    trainer.train()
+    trainer.push_to_hub()
+    assert "org/changed-vision" in hub.repos
+    loaded = Captioner.from_pretrained("org/changed")
+    torch.testing.assert_close(loaded.vision.embeddings.cls_token, model.vision.embeddings.cls_token)
+    with torch.no_grad():
+        model.vision.embeddings.cls_token.sub_(1.0)  # the shared fixture's module, as it was
+
+
+def test_a_push_deletes_what_the_previous_one_left(hub, trained):
+    """Pushed with its LoRA adapter, then merged into plain weights: the adapter files of the first push are deleted
+    in the second push's commit (left there, they would load on top of the merged weights)."""
+    trainer, _, batch, logits, _ = trained
+    trainer.model.push_to_hub("org/merge")
+    assert "adapter_model.safetensors" in hub.files("org/merge-llm")
+    trainer.model.push_to_hub("org/merge", merge_lora=True)
+    assert not [f for f in hub.files("org/merge-llm") if f.startswith("adapter_")]
+    torch.testing.assert_close(logits_of(Captioner.from_pretrained("org/merge"), batch), logits, atol=1e-5, rtol=0)
