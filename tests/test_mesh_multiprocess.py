@@ -1,38 +1,22 @@
 """Each module on its own device mesh: 4 gloo ranks (one `accelerate launch` runs every scenario) against 1 rank
 with the same global batch; a checkpoint saved under HSDP 2x2 at 4 ranks resumes in one process."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import helpers
 from helpers import assert_state_close, make_args, step_losses, tiny_data
 from mesh_scenarios import SCENARIOS
 from mp_scenarios import full_state_dict
+from test_multiprocess import launch_ranks
 
 from hf_omni import OmniTrainer
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def launch(script: str, out, processes: int, timeout: int = 900) -> None:
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29541",
-           os.path.join(HERE, "scripts", script), str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env["OMP_NUM_THREADS"] = "1"  # 4 ranks on few cores
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
-        raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("four_ranks")
-    launch("mp_mesh.py", out, 4)
+    launch_ranks("mp_mesh.py", str(out), processes=4, port=29541, timeout=900,
+                 env_extra={"OMP_NUM_THREADS": "1"})  # 4 ranks on few cores
     return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in SCENARIOS} | {"_dir": out}
 
 

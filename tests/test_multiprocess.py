@@ -18,15 +18,21 @@ from hf_omni import OmniTrainer
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch_two_ranks(script: str, *args: str, timeout: int = 600) -> None:
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531",
+def launch_ranks(script: str, *args: str, processes: int = 2, port: int = 29531, timeout: int = 600,
+                 env_extra: dict | None = None) -> None:
+    """`accelerate launch --multi_gpu --num_processes N tests/scripts/SCRIPT ARGS` (gloo on CPU), failing loudly."""
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
            os.path.join(HERE, "scripts", script), *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))} | (env_extra or {})
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
-        raise AssertionError(f"{script} failed at 2 ranks (exit {result.returncode})")
+        raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
+
+
+def launch_two_ranks(script: str, *args: str, timeout: int = 600) -> None:
+    launch_ranks(script, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
