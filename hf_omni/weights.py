@@ -102,8 +102,8 @@ def local_rows(tensor) -> tuple[int, int] | None:
     from torch.distributed.tensor import Replicate, Shard
 
     sharded = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim == 0]
-    if len(sharded) != 1 or any(not isinstance(p, (Shard, Replicate)) for p in tensor.placements) or \
-            len(sharded) + sum(isinstance(p, Replicate) for p in tensor.placements) != len(tensor.placements):
+    if len(sharded) != 1 or len(sharded) + sum(isinstance(p, Replicate) for p in tensor.placements) != \
+            len(tensor.placements):
         raise NotImplementedError(f"hf_omni reads dim-0 shards (replicated elsewhere) only, got {tensor.placements}")
     mesh = tensor.device_mesh
     rank, world = mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
