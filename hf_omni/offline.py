@@ -44,9 +44,12 @@ def offline_encoder(module: str, inputs: list[str], output: str):
     def mark(fn):
         @functools.wraps(fn)
         def method(self, *args, **kwargs):
-            return fn(self, *args, **kwargs)
+            from .missing_modality import call_entry_point
 
-        method.offline_encoder = OfflineEncoder(module, tuple(inputs), output, fn.__name__)
+            return call_entry_point(self, spec, fn, args, kwargs)
+
+        spec = OfflineEncoder(module, tuple(inputs), output, fn.__name__)
+        method.offline_encoder = spec
         method.encoder_function = fn  # its source is part of the cache fingerprint
         return method
 

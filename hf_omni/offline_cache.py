@@ -11,6 +11,7 @@ valid. Read memory-mapped (`load_from_disk`), each row found by its source index
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -152,7 +153,7 @@ def changes(manifest: dict | None, want: dict, rows: int) -> list[str]:
 @torch.no_grad()
 def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict:
     """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs."""
-    method = getattr(model, spec.method)
+    method = functools.partial(getattr(type(model), spec.method).encoder_function, model)  # no cross-rank step
     out = {"row": [], "value": [], "shape": [], "dtype": []}
     mine = list(range(rank(), len(dataset), world_size()))
     for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):

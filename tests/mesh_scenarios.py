@@ -23,6 +23,18 @@ def scenario(modules, model="tiny_model", atol=1e-5, **extra):
             "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
 
 
+def build(spec):
+    """(model, train dataset, data collator or None) of a scenario."""
+    import helpers
+    import mixed_modality
+
+    if spec["model"] == "mixed_model":
+        model = mixed_modality.mixed_model()
+        return model, mixed_modality.MixedCaptions(model), mixed_modality.collate
+    model = getattr(helpers, spec["model"])()
+    return model, helpers.tiny_data(model), None
+
+
 SCENARIOS = {
     # global clipping across three meshes (pytorch#180346 is one clip over several meshes): a limit that clips
     "mixed_global_clip": scenario(MIXED, grad_clip_scope="global", max_grad_norm=0.05, save_strategy="steps",
@@ -30,4 +42,12 @@ SCENARIOS = {
     "replicated_per_module_clip": scenario(REPLICATED),
     "hsdp_empty_init": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                  "llm": {**LLM, "parallelism": HSDP, "max_grad_norm": 0.5}}, model="empty_init_model"),
+    # some ranks have no image (mixed_modality.STEPS): vision trained sharded, its entry point runs a dummy there
+    "missing_modality": scenario({"vision": {"learning_rate": 1e-3, "parallel": "fsdp"},
+                                  "projector": {"learning_rate": 3e-3, "parallel": "ddp"},
+                                  "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model"),
+    # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones
+    "missing_modality_offline": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+                                          "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model",
+                                         offline_modules=["vision"]),
 }

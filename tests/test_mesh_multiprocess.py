@@ -3,9 +3,8 @@ with the same global batch; a checkpoint saved under HSDP 2x2 at 4 ranks resumes
 
 import pytest
 import torch
-import helpers
-from helpers import assert_state_close, make_args, step_losses, tiny_data
-from mesh_scenarios import SCENARIOS
+from helpers import assert_state_close, make_args, step_losses
+from mesh_scenarios import SCENARIOS, build
 from mp_scenarios import full_state_dict
 from test_multiprocess import launch_ranks
 
@@ -21,9 +20,9 @@ def four_ranks(tmp_path_factory):
 
 
 def single_rank(tmp_path, name, **overrides):
-    model = getattr(helpers, SCENARIOS[name]["model"])()
+    model, data, collator = build(SCENARIOS[name])
     args = make_args(tmp_path / name, **{**SCENARIOS[name]["single"], **overrides})
-    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model))
+    trainer = OmniTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
     return trainer, model
 
 

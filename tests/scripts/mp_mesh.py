@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
-from mesh_scenarios import SCENARIOS  # noqa: E402
+from mesh_scenarios import SCENARIOS, build  # noqa: E402
 from mp_scenarios import full_state_dict, sharding_facts  # noqa: E402
 
 from hf_omni import OmniTrainer  # noqa: E402
@@ -20,9 +20,9 @@ from hf_omni import OmniTrainer  # noqa: E402
 def main(out_dir: str):
     os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
     for name, spec in SCENARIOS.items():
-        model = getattr(helpers, spec["model"])()
+        model, data, collator = build(spec)
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
-        trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
+        trainer = OmniTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
         trainer.train()
         meshes = trainer.plugin.meshes
         facts = {

@@ -1,0 +1,54 @@
+"""A LLaVA-style captioner whose samples may lack an image, for batches where a modality is missing on some ranks.
+
+Each sample is 17 prefix slots (the image's 17 ViT tokens scattered in, or padding for a text-only sample; no loss
+on them) then the caption, so every sample has the same number of labelled tokens. `HAS_IMAGE` lays out 4 steps
+of 4 ranks x 2 samples (accelerate gives rank r of step k the samples 8k + 2r, 8k + 2r + 1): ranks 0-1 have no
+image at the very first step, nobody has one at step 2, only rank 1 at step 3, everyone at step 4.
+"""
+
+import torch
+
+from helpers import tiny_data, tiny_model
+from digits import Captioner
+
+SLOTS = 17  # ViT tokens per 8x8 image (16 patches of 2x2 + CLS)
+STEPS = [[False, False, True, True], [False, False, False, False], [False, True, False, False], [True] * 4]
+HAS_IMAGE = [image for step in STEPS for image in step for _ in range(2)]
+
+
+class MixedCaptioner(Captioner):
+    """The image features replace the image slots of `input_ids` (`masked_scatter`, as LLaVA-style VLMs do)."""
+
+    def forward(self, input_ids, pixel_values=None, image_features=None, labels=None, **kw):
+        embeds = self.llm.get_input_embeddings()(input_ids)
+        feats = image_features if image_features is not None else self.encode_image(pixel_values)
+        if feats is not None:  # None: no rank has an image this step; 0 rows: this rank has none
+            slots = (input_ids == self.processors["llm"].unk_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(slots, self.projector(feats).to(embeds.dtype))
+        return self.llm(inputs_embeds=embeds, labels=labels, **kw)
+
+
+def mixed_model() -> MixedCaptioner:
+    base = tiny_model()
+    return MixedCaptioner.from_modules(base.omni_modules(), processors=base.processors)
+
+
+class MixedCaptions(torch.utils.data.Dataset):
+    def __init__(self, model, has_image: list[bool] = HAS_IMAGE):
+        self.base, self.has_image = tiny_data(model, len(has_image)), has_image
+        self.image, self.pad = model.processors["llm"].unk_token_id, model.processors["llm"].pad_token_id
+
+    def __len__(self):
+        return len(self.has_image)
+
+    def __getitem__(self, i):
+        row, image = self.base[i], self.has_image[i]
+        item = {"input_ids": torch.cat([torch.full((SLOTS,), self.image if image else self.pad), row["input_ids"]]),
+                "labels": torch.cat([torch.full((SLOTS,), -100), row["labels"]])}
+        return item | ({"pixel_values": row["pixel_values"]} if image else {})
+
+
+def collate(items: list[dict]) -> dict:
+    """Each key stacked over the samples that have it (a batch without images has no `pixel_values`)."""
+    keys = dict.fromkeys(k for item in items for k in item)
+    return {k: torch.stack([item[k] for item in items if k in item]) for k in keys}
