@@ -1,24 +1,23 @@
 """Per-module meshes at 4 gloo ranks on CPU: the LLM fully sharded, HSDP 2 x 2, or replicated, side by side.
 
-    python bench/mesh.py            # three 4-rank launches, one per layout (fresh processes); a few minutes
+    python bench/mesh.py                  # three 4-rank launches, one per layout (fresh processes); ~3 minutes
+    python bench/mesh.py --glibc-default  # the same without MALLOC_MMAP_THRESHOLD_=131072
 
 The demo layout (frozen ViT, projector replicated at 3e-3, a Llama-style LLM that dominates) trained with
-OmniTrainer; the LLM as `parallel: fsdp` over a (4,) mesh, as HSDP on a (dp_replicate=2, dp_shard=2) mesh, or as
-`parallel: ddp`. Ranks {0, 1} and {2, 3} play two "nodes". Per rank: peak RSS increase (ru_maxrss) over a
-baseline taken once the process group is up and before the model is built; the exact bytes of LLM parameters +
-grads + AdamW state the rank holds (local shards, DTensor `.to_local()`, taken after an optimizer step); the
-median step time (`StepTimer`, steps after the warm-up); the bytes sent per step in collectives, counted over the
-same steps (gloo records no `record_param_comms` events in the profiler in this torch, so the count is a cheap
-wrapper instead): every `torch.distributed` collective function is wrapped (FSDP2 calls `dist.all_gather_single`
-/ `dist.reduce_scatter_single` / `dist.all_reduce`), and the DDP reducers (which call gloo from C++) get torch's
-own `allreduce_hook` as a comm hook, so their bucket all-reduces pass through the wrapper too, tagged by module.
-A collective's bytes sent per rank follow the ring model, n = group size: all-gather out_bytes*(n-1)/n,
-reduce-scatter in_bytes*(n-1)/n, all-reduce 2*bytes*(n-1)/n, broadcast bytes*(n-1)/n (the average per rank of a
-pipelined broadcast). These are the bytes of the collectives issued, not gloo's wire bytes; a collective is
-"within a node" when its group lies inside {0, 1} or inside {2, 3}, "cross-node" otherwise. LLM traffic (FSDP2's
-own calls, the LLM's DDP buckets) is split from the rest (projector buckets, Trainer's scalars); DTensor's
-functional collectives (a few scalars for the per-module grad norm) bypass the wrapper and are not counted.
-Theory from the LLM's fp32 parameter bytes P, per rank per step (see `theory`).
+OmniTrainer, the LLM as `parallel: fsdp` on a (4,) mesh, as HSDP on a (dp_replicate=2, dp_shard=2) mesh, or as
+`parallel: ddp`; ranks {0, 1} and {2, 3} play two "nodes". Per rank: peak RSS increase (ru_maxrss) over a baseline
+taken once the process group is up, before the model is built (with MALLOC_MMAP_THRESHOLD_=131072: glibc otherwise
+keeps FSDP's freed gather / reduce buffers, which lifts both sharded layouts past DDP at this size); the exact bytes
+of LLM parameters + grads + AdamW state held (local shards, after an optimizer step); the median step time
+(`StepTimer`); the bytes sent per step in collectives, over the same steps. gloo records no `record_param_comms`
+profiler events in this torch, so a cheap wrapper counts: every `torch.distributed` collective is wrapped (FSDP2
+calls `dist.all_gather_single` / `reduce_scatter_single` / `all_reduce`), and the DDP reducers (gloo from C++) get
+torch's own `allreduce_hook` as comm hook, so their buckets pass through the wrapper too, tagged by module. Bytes
+sent per rank, ring model, n = group size: all-gather out_bytes*(n-1)/n, reduce-scatter in_bytes*(n-1)/n,
+all-reduce 2*bytes*(n-1)/n, broadcast bytes*(n-1)/n (per-rank mean of a pipelined broadcast): the collectives
+issued, not gloo's own algorithms. A group inside {0, 1} or {2, 3} is "within a node", else "cross-node". LLM
+traffic (FSDP2's calls, the LLM's DDP buckets) is apart from the rest (projector buckets, scalars); DTensor's
+functional collectives (the grad norm's `full_tensor()`, a scalar) bypass the wrapper. Theory: see `theory`.
 """
 
 from __future__ import annotations
@@ -50,7 +49,8 @@ SPEC = {"all_gather_single": ("output_tensor", GATHER), "all_gather_into_tensor"
         "all_gather": ("tensor_list", GATHER), "reduce_scatter_single": ("input", SCATTER),
         "reduce_scatter_tensor": ("input", SCATTER), "reduce_scatter": ("input_list", SCATTER),
         "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n), "broadcast": ("tensor", BROADCAST)}
-MB = 2**20
+MIB = 2**20
+MALLOC = {} if "--glibc-default" in sys.argv else {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 class Traffic:
@@ -80,9 +80,8 @@ class Traffic:
             caller = sys._getframe(1).f_code.co_filename
             owner = getattr(self.local, "tag", None) or ("llm" if "_fully_shard" in caller else "other")
             where = "within" if len({r // NODE for r in ranks}) == 1 else "cross"
-            key = f"{owner}/{where}"
-            self.sent[key] = self.sent.get(key, 0.0) + sum(t.numel() * t.element_size() for t in tensors) * ring(
-                len(ranks))
+            nbytes = sum(t.numel() * t.element_size() for t in tensors) * ring(len(ranks))
+            self.sent[f"{owner}/{where}"] = self.sent.get(f"{owner}/{where}", 0.0) + nbytes
             self.local.depth = 1
             try:
                 return fn(*args, **kwargs)
@@ -120,28 +119,32 @@ def local_bytes(tensors) -> int:
 
 
 def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
-    """Bytes sent per rank per step for the LLM, as the brief's model (P only) and as run (FSDP2 pads dim 0 to a
-    multiple of the shard size; a root unit that keeps its parameters after forward skips its backward
-    all-gather — hf_omni passes reshard_after_forward=True explicitly, so FSDP2 reshards the root too)."""
+    """LLM bytes sent per rank per step, within / cross-node, and bytes held. The brief's model, from P: full shard
+    over 4 = all-gather fwd + all-gather bwd (every unit reshards after forward) + reduce-scatter = 3 * 3/4 P =
+    2.25P, all cross-node; HSDP 2x2 = the same over the 2 ranks of a node, 3 * 1/2 P = 1.5P, plus the cross-node
+    all-reduce of the half shard over 2 ranks, 2 * 1/2 * P/2 = 0.5P; DDP = 2 * 3/4 P = 1.5P, cross-node. As run:
+    FSDP2 pads each parameter's dim 0 to a multiple of the shard count (gathered / reduced sizes are padded), and a
+    root unit that keeps its parameters after forward (FSDP2's rule when reshard_after_forward is left None) skips
+    its backward all-gather; hf_omni passes reshard_after_forward=True, so the root reshards and the 3 passes hold.
+    Held: params + grads + 2 AdamW moments = 4 x the (padded) shard; DDP 4P (its reducer's buckets not counted)."""
     from torch.distributed.fsdp import FSDPModule
 
     in_child = {id(p) for m in llm.modules() if m is not llm and isinstance(m, FSDPModule) for p in m.parameters()}
     params = list(llm.parameters())
     full = sum(p.numel() * 4 for p in params)
     if layout == "replicate (ddp)":
-        return {"P": full, "brief/cross": 1.5 * full, "brief/within": 0.0, "run/cross": 1.5 * full,
-                "run/within": 0.0, "state": 4 * full}
+        return {"P": full, "brief/within": 0.0, "brief/cross": 1.5 * full, "run/within": 0.0, "run/cross": 1.5 * full,
+                "state": 4 * full}
     shard = 4 if layout.startswith("full") else 2
     padded = {id(p): math.ceil(p.shape[0] / shard) * shard * math.prod(p.shape[1:]) * 4 for p in params}
     gathered = sum(padded.values())
     backward = sum(v for k, v in padded.items() if root_reshards or k in in_child)
-    intra = (2 * gathered + backward) * (shard - 1) / shard  # all-gather fwd + bwd, reduce-scatter
+    passes = (2 * gathered + backward) * (shard - 1) / shard  # all-gather fwd + bwd, reduce-scatter
     if shard == 4:
-        return {"P": full, "brief/cross": 2.25 * full, "brief/within": 0.0, "run/cross": intra,
-                "run/within": 0.0, "state": 4 * gathered / shard}
-    return {"P": full, "brief/within": 1.5 * full, "brief/cross": 0.5 * full, "run/within": intra,
+        return {"P": full, "brief/within": 0.0, "brief/cross": 2.25 * full, "run/within": 0.0, "run/cross": passes,
+                "state": 4 * gathered / shard}
+    return {"P": full, "brief/within": 1.5 * full, "brief/cross": 0.5 * full, "run/within": passes,
             "run/cross": 2 * (1 / 2) * gathered / shard, "state": 4 * gathered / shard}
-
 
 def worker(layout: str):
     traffic = Traffic()
@@ -194,16 +197,17 @@ def worker(layout: str):
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
-        llm = trainer.model.llm
-        root = isinstance(llm, FSDPModule) and llm._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
-        print("RESULT " + json.dumps(dict(ranks=ranks, theory=theory(llm, layout, root is not None),
-                                          root_reshards=root is not None if isinstance(llm, FSDPModule) else None)))
+        llm, reshards = trainer.model.llm, None
+        if isinstance(llm, FSDPModule):  # FSDP2's own (private) record: does the root unit reshard after forward?
+            reshards = llm._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+        print("RESULT " + json.dumps(dict(ranks=ranks, theory=theory(llm, layout, bool(reshards)),
+                                          root_reshards=reshards)))
 
 
 def launch(layout: str) -> dict:
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(WORLD), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", __file__, "--worker", layout]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **MALLOC})
     if result.returncode:
         sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
         raise SystemExit(f"bench/mesh.py --worker {layout!r} failed")
@@ -215,21 +219,22 @@ def main():
     start = time.perf_counter()
     got = {layout: launch(layout) for layout in LAYOUTS}
     P = got["replicate (ddp)"]["theory"]["P"]
-    print(f"bench/mesh.py, {WORLD} gloo ranks on CPU (OMP_NUM_THREADS=1), 'nodes' {{0,1}} and {{2,3}}; "
-          f"LLM P = {P / MB:.2f} MB fp32; batch {BATCH}/rank; {STEPS} steps after {WARMUP} warm-up\n")
-    print("| LLM layout | rank | peak RSS increase (MB) | LLM params + grads + AdamW held (MB) | median step (ms) | "
-          "LLM sent/step within node (MB) | LLM sent/step cross-node (MB) | other sent/step within / cross (KB) |")
+    allocator = " ".join(f"{k}={v}" for k, v in MALLOC.items()) or "glibc default allocator"
+    print(f"bench/mesh.py, {WORLD} gloo ranks on CPU (OMP_NUM_THREADS=1, {allocator}), 'nodes' {{0,1}} and {{2,3}}; "
+          f"LLM P = {P / MIB:.2f} MiB fp32; batch {BATCH}/rank; {STEPS} steps after {WARMUP} warm-up\n")
+    print("| LLM layout | rank | peak RSS increase (MiB) | LLM params + grads + AdamW held (MiB) | median step (ms) | "
+          "LLM sent/step within node (MiB) | LLM sent/step cross-node (MiB) | other sent/step within / cross (KiB) |")
     print("|---|---|---|---|---|---|---|---|")
     for layout, res in got.items():
         for rank, r in enumerate(res["ranks"]):
             s = r["sent"]
-            held = f"{(r['params'] + r['grads'] + r['optim']) / MB:.2f} ({r['params'] / MB:.2f} + " \
-                   f"{r['grads'] / MB:.2f} + {r['optim'] / MB:.2f})"
-            print(f"| {layout} | {rank} | {r['rss'] / MB:.0f} | {held} | {r['step'] * 1000:.0f} | "
-                  f"{s.get('llm/within', 0) / MB:.2f} | {s.get('llm/cross', 0) / MB:.2f} | "
+            held = f"{(r['params'] + r['grads'] + r['optim']) / MIB:.2f} ({r['params'] / MIB:.2f} + " \
+                   f"{r['grads'] / MIB:.2f} + {r['optim'] / MIB:.2f})"
+            print(f"| {layout} | {rank} | {r['rss'] / MIB:.0f} | {held} | {r['step'] * 1000:.0f} | "
+                  f"{s.get('llm/within', 0) / MIB:.2f} | {s.get('llm/cross', 0) / MIB:.2f} | "
                   f"{s.get('other/within', 0) / 1024:.1f} / {s.get('other/cross', 0) / 1024:.1f} |")
-    print("\n| LLM layout | mesh groups (ranks) | held: measured / theory 4P/shards (MB) | sent/step within / cross: "
-          "brief theory (P) | as run theory (P) | measured, mean of ranks (P) | measured / as-run theory (total) |")
+    print("\n| LLM layout | mesh groups (ranks) | held: measured / theory 4P/shards (MiB) | sent/step within / cross: "
+          "brief theory (P) | as run theory (P) | measured, mean of ranks (P) | measured / theory, brief / as run |")
     print("|---|---|---|---|---|---|---|")
     cross = {}
     for layout, res in got.items():
@@ -239,10 +244,11 @@ def main():
         groups = {dim: sorted({tuple(r["groups"][dim]) for r in ranks}) for dim in ranks[0]["groups"]}
         mesh = "; ".join(f"{d}: {' '.join(str(list(g)) for g in gs)}" for d, gs in groups.items()) or "DDP: world"
         held = statistics.mean(r["params"] + r["grads"] + r["optim"] for r in ranks)
-        ratio = (mean["within"] + mean["cross"]) / (t["run/within"] + t["run/cross"])
-        print(f"| {layout} | {mesh} | {held / MB:.2f} / {t['state'] / MB:.2f} | "
+        ratio = {k: (mean["within"] + mean["cross"]) / (t[f"{k}/within"] + t[f"{k}/cross"]) for k in ("brief", "run")}
+        print(f"| {layout} | {mesh} | {held / MIB:.2f} / {t['state'] / MIB:.2f} | "
               f"{t['brief/within'] / P:.3f} / {t['brief/cross'] / P:.3f} | {t['run/within'] / P:.4f} / "
-              f"{t['run/cross'] / P:.4f} | {mean['within'] / P:.4f} / {mean['cross'] / P:.4f} | {ratio:.4f} |")
+              f"{t['run/cross'] / P:.4f} | {mean['within'] / P:.4f} / {mean['cross'] / P:.4f} | "
+              f"{ratio['brief']:.4f} / {ratio['run']:.4f} |")
     full, hsdp = cross["full shard (4,)"], cross["HSDP 2x2"]
     print(f"\nCross-node bytes, full shard / HSDP 2x2: measured {full[0] / hsdp[0]:.3f}, as-run theory "
           f"{full[1] / hsdp[1]:.3f}, brief theory {full[2] / hsdp[2]:.3f}. FSDP root unit reshards after forward: "

@@ -23,6 +23,15 @@ def scenario(modules, model="tiny_model", atol=1e-5, **extra):
             "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
 
 
+# elastic resume: mixed_global_clip's checkpoint-2 (4 ranks; vision full shard, projector and llm HSDP 2x2) resumed
+# at 2 ranks with every module full shard over both (the same global batch), saving each step (a resumed Trainer
+# takes save_steps from the checkpoint's trainer_state.json)
+ELASTIC = dict(COMMON, modules={name: {k: v for k, v in margs.items() if k != "parallelism"}
+                                for name, margs in MIXED.items()},
+               per_device_train_batch_size=4, grad_clip_scope="global", max_grad_norm=0.05, save_strategy="steps",
+               save_steps=1)
+
+
 def build(spec):
     """(model, train dataset, data collator or None) of a scenario."""
     import helpers
@@ -38,10 +47,17 @@ def build(spec):
 SCENARIOS = {
     # global clipping across three meshes (pytorch#180346 is one clip over several meshes): a limit that clips
     "mixed_global_clip": scenario(MIXED, grad_clip_scope="global", max_grad_norm=0.05, save_strategy="steps",
-                                  save_steps=2),
+                                  save_steps=1),
     "replicated_per_module_clip": scenario(REPLICATED),
     "hsdp_empty_init": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                  "llm": {**LLM, "parallelism": HSDP, "max_grad_norm": 0.5}}, model="empty_init_model"),
+    # accumulation windows per mesh: no gradient sync until the last micro-step (HSDP: neither reduce-scatter nor
+    # all-reduce), the projector's HSDP units kept gathered inside the window
+    "hsdp_accumulation": {
+        "multi": dict(COMMON, modules=dict(MIXED, projector={**MIXED["projector"], "fsdp_plugin": {
+            "reshard_after_backward": False}}), per_device_train_batch_size=1, gradient_accumulation_steps=2),
+        "single": dict(COMMON, modules=MIXED, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+        "model": "tiny_model", "atol": 1e-5},
     # some ranks have no image (mixed_modality.STEPS): vision trained sharded, its entry point runs a dummy there
     "missing_modality": scenario({"vision": {"learning_rate": 1e-3, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 3e-3, "parallel": "ddp"},

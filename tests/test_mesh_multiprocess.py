@@ -1,10 +1,11 @@
 """Each module on its own device mesh: 4 gloo ranks (one `accelerate launch` runs every scenario) against 1 rank
-with the same global batch; a checkpoint saved under HSDP 2x2 at 4 ranks resumes in one process."""
+with the same global batch. Elastic resume: a checkpoint saved under HSDP 2x2 at 4 ranks resumes at 2 ranks (every
+module full shard) and in one process; the 2-rank run's own checkpoint resumes in one process."""
 
 import pytest
 import torch
-from helpers import assert_state_close, make_args, step_losses
-from mesh_scenarios import SCENARIOS, build
+from helpers import assert_state_close, make_args, step_losses, tiny_data, tiny_model
+from mesh_scenarios import ELASTIC, SCENARIOS, build
 from mp_scenarios import full_state_dict
 from test_multiprocess import launch_ranks
 
@@ -56,4 +57,28 @@ def test_hsdp_checkpoint_resumes_in_one_process(four_ranks, tmp_path):
     trainer, model = single_rank(tmp_path, "mixed_global_clip")
     trainer.train(resume_from_checkpoint=str(four_ranks["_dir"] / "mixed_global_clip" / "checkpoint-2"))
     assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)  # steps 1-2 from trainer_state.json
+    assert_state_close(got["state"], full_state_dict(model), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_resumed(four_ranks, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks_elastic")
+    checkpoint = four_ranks["_dir"] / "mixed_global_clip" / "checkpoint-2"
+    launch_ranks("mp_mesh.py", str(out), "elastic", str(checkpoint), processes=2, port=29543, timeout=600)
+    return torch.load(out / "elastic.pt", weights_only=True) | {"_dir": out}
+
+
+def test_hsdp_checkpoint_resumes_at_two_ranks_full_shard_then_in_one_process(four_ranks, two_ranks_resumed,
+                                                                             tmp_path):
+    """4 ranks (HSDP 2x2) -> 2 ranks (full shard over 2) -> 1 process, each ending where the 4-rank run ended."""
+    got = four_ranks["mixed_global_clip"]
+    assert two_ranks_resumed["world_size"] == 2
+    assert two_ranks_resumed["mesh_shapes"] == {"vision": (2,), "projector": (2,), "llm": (2,)}
+    assert two_ranks_resumed["losses"] == pytest.approx(got["losses"], abs=1e-5)
+    assert_state_close(got["state"], two_ranks_resumed["state"], atol=1e-5)
+    model = tiny_model()
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path / "one", **dict(ELASTIC, per_device_train_batch_size=8)),
+                          train_dataset=tiny_data(model))
+    trainer.train(resume_from_checkpoint=str(two_ranks_resumed["_dir"] / "elastic" / "checkpoint-3"))
+    assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)
     assert_state_close(got["state"], full_state_dict(model), atol=1e-5)

@@ -1,7 +1,9 @@
 """Run under `accelerate launch --multi_gpu --num_processes 4` (gloo, use_cpu): every mesh scenario in one launch.
 
 Usage: mp_mesh.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full weights, and facts about
-the meshes (each module's mesh shape, one parameter's placements, bytes held by this rank)."""
+the meshes (each module's mesh shape, one parameter's placements, bytes held by this rank).
+       mp_mesh.py OUT_DIR elastic CHECKPOINT (any world size): resumes CHECKPOINT with mesh_scenarios.ELASTIC into
+OUT_DIR/elastic, writing OUT_DIR/elastic.pt."""
 
 import os
 import sys
@@ -11,10 +13,22 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
-from mesh_scenarios import SCENARIOS, build  # noqa: E402
+from mesh_scenarios import ELASTIC, SCENARIOS, build  # noqa: E402
 from mp_scenarios import full_state_dict, sharding_facts  # noqa: E402
 
 from hf_omni import OmniTrainer  # noqa: E402
+
+
+def elastic(out_dir: str, checkpoint: str):
+    model = helpers.tiny_model()
+    args = helpers.make_args(os.path.join(out_dir, "elastic"), **ELASTIC)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
+    trainer.train(resume_from_checkpoint=checkpoint)
+    state = full_state_dict(model)
+    if dist.get_rank() == 0:
+        torch.save({"losses": helpers.step_losses(trainer), "state": state, "world_size": dist.get_world_size(),
+                    "mesh_shapes": {n: tuple(m.shape) for n, m in trainer.plugin.meshes.items()}},
+                   os.path.join(out_dir, "elastic.pt"))
 
 
 def main(out_dir: str):
@@ -41,4 +55,4 @@ def main(out_dir: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    elastic(sys.argv[1], sys.argv[3]) if sys.argv[2:3] == ["elastic"] else main(sys.argv[1])
