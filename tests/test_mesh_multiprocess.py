@@ -42,6 +42,9 @@ def test_meshes_are_what_each_module_asked_for(four_ranks):
     assert facts["mesh_shapes"] == {"vision": (4,), "projector": (2, 2), "llm": (2, 2)}
     assert facts["shared"]["llm"] == ["projector", "llm"]  # one mesh per shape, shared
     assert facts["placements"]["llm"] == "(Replicate(), Shard(dim=0))"
+    # HSDP 2x2: shards within ranks {0, 1} (a node of 2 processes), replicas across nodes (rank 0 with rank 2)
+    assert facts["groups"]["llm"] == {"dp_replicate": [0, 2], "dp_shard": [0, 1]}
+    assert facts["groups"]["vision"] == {"dp_shard": [0, 1, 2, 3]}
     for name, parts in (("vision", 4), ("llm", 2)):  # HSDP: each rank holds half the llm, a quarter of vision
         sharding = facts["sharding"][name]
         assert sharding["local_bytes"] == pytest.approx(sharding["full_bytes"] / parts, rel=0.2)  # rank 0: ceil rows

@@ -44,6 +44,8 @@ def main(out_dir: str):
             "wrapped": dict(trainer.plugin.wrapped),
             "mesh_shapes": {n: tuple(m.shape) for n, m in meshes.items()},
             "shared": {a: [b for b in meshes if meshes[b] is meshes[a]] for a in meshes},
+            "groups": {n: {dim: dist.get_process_group_ranks(m.get_group(dim)) for dim in m.mesh_dim_names}
+                       for n, m in meshes.items()},  # rank 0's group along each mesh dim
             "placements": {n: str(next(getattr(model, n).parameters()).placements) for n in meshes},
             "sharding": sharding_facts(model),
         }
