@@ -51,6 +51,9 @@ SCENARIOS = {
     "replicated_per_module_clip": scenario(REPLICATED),
     "hsdp_empty_init": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                  "llm": {**LLM, "parallelism": HSDP, "max_grad_norm": 0.5}}, model="empty_init_model"),
+    # fsdp_scope: model wraps the composed model once, on the top-level parallelism's mesh
+    "model_scope_hsdp": scenario({"vision": {"learning_rate": 1e-3}, "projector": {"learning_rate": 3e-3}},
+                                 fsdp_scope="model", parallelism=HSDP),
     # accumulation windows per mesh: no gradient sync until the last micro-step (HSDP: neither reduce-scatter nor
     # all-reduce), the projector's HSDP units kept gathered inside the window
     "hsdp_accumulation": {

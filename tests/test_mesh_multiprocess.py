@@ -48,6 +48,9 @@ def test_meshes_are_what_each_module_asked_for(four_ranks):
     for name, parts in (("vision", 4), ("llm", 2)):  # HSDP: each rank holds half the llm, a quarter of vision
         sharding = facts["sharding"][name]
         assert sharding["local_bytes"] == pytest.approx(sharding["full_bytes"] / parts, rel=0.2)  # rank 0: ceil rows
+    model_scope = four_ranks["model_scope_hsdp"]["facts"]
+    assert model_scope["mesh_shapes"] == {"(model)": (2, 2)}
+    assert model_scope["placements"]["(model)"] == "(Replicate(), Shard(dim=0))"
     replicated = four_ranks["replicated_per_module_clip"]["facts"]
     assert replicated["wrapped"]["llm"] == "ddp" and "llm" not in replicated["mesh_shapes"]
     assert replicated["mesh_shapes"] == {"vision": (2, 2), "projector": (4,)}

@@ -80,6 +80,8 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
     result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable))
     shapes = {name: mesh_shape(name, module_args[name].parallelism, world_size()) for name in plan
               if plan[name] == "fsdp" and fsdp_scope == "module"}  # every mesh error before anything is placed
+    if fsdp_scope == "model" and has_process_group() and module_args:  # the top-level parallelism (every module's)
+        shapes[fsdp.MODEL_SCOPE] = mesh_shape(None, next(iter(module_args.values())).parallelism, world_size())
     meshes = Meshes(device.type)
     pending = dict(model.pending_weights)
     shard_later = {n: f for n, f in pending.items() if plan[n] == "fsdp" and fsdp_scope == "module"}
@@ -98,7 +100,8 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
                 module.to(device)
     if has_process_group():
         if fsdp_scope == "model":  # one wrap of the whole composed model, frozen modules included
-            _wrap_fsdp(result, model, fsdp.MODEL_SCOPE, model_fsdp, device, lazy_init=True)
+            _wrap_fsdp(result, model, fsdp.MODEL_SCOPE, model_fsdp, device, lazy_init=True,
+                       mesh=meshes.get(shapes[fsdp.MODEL_SCOPE]))
         else:
             for name, margs in module_args.items():
                 if name not in released:

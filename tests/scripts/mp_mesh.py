@@ -46,7 +46,7 @@ def main(out_dir: str):
             "shared": {a: [b for b in meshes if meshes[b] is meshes[a]] for a in meshes},
             "groups": {n: {dim: dist.get_process_group_ranks(m.get_group(dim)) for dim in m.mesh_dim_names}
                        for n, m in meshes.items()},  # rank 0's group along each mesh dim
-            "placements": {n: str(next(getattr(model, n).parameters()).placements) for n in meshes},
+            "placements": {n: str(next(getattr(model, n, model).parameters()).placements) for n in meshes},
             "sharding": sharding_facts(model),
         }
         state = full_state_dict(model)
