@@ -7,7 +7,8 @@ over more than one rank:
 
 - every rank first shares which inputs it has, with their shapes and dtypes (one small all-gather);
 - a rank with no input runs the method on a one-row dummy (zeros, each input's shape and dtype from the first rank
-  that has one: it works at the very first step) and returns the output's first 0 rows, still in the graph;
+  that has one: it works at the very first step) and returns the output's first 0 rows, still in the graph; the
+  buffers the dummy changed (BatchNorm's running statistics) are put back;
 - when no rank has an input, every rank returns `None` (the module is skipped everywhere, as one process would).
 
 The 0 rows are also added (as `sum()`, which is 0) to the `loss` of the `forward` that called the method, so the
@@ -65,7 +66,10 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     device = model_device(model)
     for column, (shape, dtype) in donors.items():
         bound.arguments[column] = torch.zeros((1, *shape[1:]), dtype=dtype, device=device)
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     out = fn(*bound.args, **bound.kwargs)
+    for buffer, before in buffers:  # BatchNorm's running statistics never see the dummy; `.data`: no version bump
+        buffer.data.copy_(before)  # (autograd saved them; backward in training mode uses the batch's own)
     if not isinstance(out, torch.Tensor) or out.ndim == 0:
         raise ValueError(f"module {spec.module!r}: {spec.method} must return a tensor with one row per input row "
                          f"(a rank without input returns its first 0 rows), got {type(out).__name__}")
