@@ -35,7 +35,7 @@ from .module_io import (
 )
 from .hub_download import cached_commit, download_composition, is_hub_id, linked_folders
 from .module_classes import per_module, resolve_module_class
-from .missing_modality import keep_in_graph, share_cached_outputs
+from .missing_modality import keep_in_graph, before_forward
 from .offline import is_released
 from .parallel import full_state_dict
 from .progress import each
@@ -67,7 +67,7 @@ class OmniModel(PreTrainedModel):
         # set by `OmniPlugin.prepare`: how modules are wrapped (`parallel.driver.WrappedModules`)
         self.prepared = None
         self.loss_type = "ForCausalLM" if self.label_shift else None
-        self.register_forward_pre_hook(share_cached_outputs, with_kwargs=True)  # missing_modality.py: ranks
+        self.register_forward_pre_hook(before_forward, with_kwargs=True)  # missing_modality.py: ranks
         self.register_forward_hook(keep_in_graph)  # whose batch lacks a module's input run it on a dummy
 
     # -- construction ---------------------------------------------------------------------------

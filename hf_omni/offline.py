@@ -42,6 +42,12 @@ def offline_encoder(module: str, inputs: list[str], output: str):
         raise ValueError("offline_encoder(module, inputs=[column, ...], output=column): columns are strings")
 
     def mark(fn):
+        import inspect
+
+        named = {n for n, p in inspect.signature(fn).parameters.items() if p.kind != p.VAR_KEYWORD}
+        if not set(inputs) <= named:
+            raise ValueError(f"offline_encoder(module={module!r}): {fn.__name__} must take each input column as a "
+                             f"named parameter; missing {sorted(set(inputs) - named)}")
         @functools.wraps(fn)
         def method(self, *args, **kwargs):
             from .missing_modality import call_entry_point

@@ -14,6 +14,8 @@ REPLICATED = {  # llm replicated (DDP), projector full shard, vision HSDP; each 
     "projector": {"learning_rate": 3e-3, "parallel": "fsdp", "max_grad_norm": 0.05},
     "llm": {"learning_rate": 1e-3, "parallel": "ddp", "max_grad_norm": 0.5},
 }
+MISSING = {"vision": {"learning_rate": 1e-3, "parallel": "fsdp"}, "projector": {"learning_rate": 3e-3, "parallel": "ddp"},
+           "llm": {**LLM, "parallelism": HSDP}}
 COMMON = dict(max_steps=4)
 MULTI, SINGLE = dict(per_device_train_batch_size=2), dict(per_device_train_batch_size=8)
 
@@ -40,6 +42,9 @@ def build(spec):
     if spec["model"] == "mixed_model":
         model = mixed_modality.mixed_model()
         return model, mixed_modality.MixedCaptions(model), mixed_modality.collate
+    if spec["model"] == "dropping_model":
+        model = mixed_modality.mixed_model(mixed_modality.DroppingCaptioner)
+        return model, mixed_modality.MixedCaptions(model, mixed_modality.ACCUMULATION), mixed_modality.collate
     model = getattr(helpers, spec["model"])()
     return model, helpers.tiny_data(model), None
 
@@ -62,9 +67,13 @@ SCENARIOS = {
         "single": dict(COMMON, modules=MIXED, per_device_train_batch_size=4, gradient_accumulation_steps=2),
         "model": "tiny_model", "atol": 1e-5},
     # some ranks have no image (mixed_modality.STEPS): vision trained sharded, its entry point runs a dummy there
-    "missing_modality": scenario({"vision": {"learning_rate": 1e-3, "parallel": "fsdp"},
-                                  "projector": {"learning_rate": 3e-3, "parallel": "ddp"},
-                                  "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model"),
+    "missing_modality": scenario(MISSING, model="mixed_model"),
+    # accumulation: no image anywhere in a window's last micro-step, after one in its first; the forward drops 0
+    # rows and returns a tuple (vision and projector reached through hf_omni's hook)
+    "missing_modality_accumulation": {
+        "multi": dict(COMMON, modules=MISSING, per_device_train_batch_size=1, gradient_accumulation_steps=2),
+        "single": dict(COMMON, modules=MISSING, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+        "model": "dropping_model", "atol": 1e-5},
     # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones
     "missing_modality_offline": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                           "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model",

@@ -10,10 +10,14 @@ import torch
 
 from helpers import tiny_data, tiny_model
 from digits import Captioner
+from hf_omni import offline_encoder
 
 SLOTS = 17  # ViT tokens per 8x8 image (16 patches of 2x2 + CLS)
 STEPS = [[False, False, True, True], [False, False, False, False], [False, True, False, False], [True] * 4]
 HAS_IMAGE = [image for step in STEPS for image in step for _ in range(2)]
+# 4 ranks x 1 sample x 2 micro-steps (rank r of micro-step m of step k: sample 8k + 4m + r): step 3 has an image on
+# rank 2 only in its first micro-step, none anywhere in its last (the window must still close with a sync)
+ACCUMULATION = [False] * 4 + [True] * 4 + [False] * 8 + [False, False, True] + [False] * 5 + [True] * 8
 
 
 class MixedCaptioner(Captioner):
@@ -28,9 +32,26 @@ class MixedCaptioner(Captioner):
         return self.llm(inputs_embeds=embeds, labels=labels, **kw)
 
 
-def mixed_model() -> MixedCaptioner:
+class DroppingCaptioner(MixedCaptioner):
+    """The entry point runs vision and projector; `forward` drops 0 rows and returns a tuple: the 0 rows reach the
+    loss only through hf_omni's forward hook."""
+
+    @offline_encoder(module="vision", inputs=["pixel_values"], output="image_features")
+    def encode_image(self, pixel_values):
+        return self.projector(self.vision(pixel_values=pixel_values).last_hidden_state)
+
+    def forward(self, input_ids, pixel_values=None, labels=None, **kw):
+        embeds = self.llm.get_input_embeddings()(input_ids)
+        feats = self.encode_image(pixel_values)
+        if feats is not None and len(feats):
+            slots = (input_ids == self.processors["llm"].unk_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(slots, feats.to(embeds.dtype))
+        return self.llm(inputs_embeds=embeds, labels=labels, **kw).to_tuple()
+
+
+def mixed_model(cls=MixedCaptioner) -> MixedCaptioner:
     base = tiny_model()
-    return MixedCaptioner.from_modules(base.omni_modules(), processors=base.processors)
+    return cls.from_modules(base.omni_modules(), processors=base.processors)
 
 
 class MixedCaptions(torch.utils.data.Dataset):

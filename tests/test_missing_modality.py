@@ -5,16 +5,24 @@ process are in tests/test_mesh_multiprocess.py."""
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import ResNetConfig, ResNetModel
 
 import hf_omni.missing_modality as missing
 from hf_omni import OmniModel, offline_encoder
+from hf_omni.parallel.driver import WrappedModules
 
 
 class Tower(OmniModel):
+    checkpointed = False  # the vision call under activation checkpointing (recomputed in backward)
+
     @offline_encoder(module="vision", inputs=["pixel_values", "mask"], output="features")
     def encode(self, pixel_values, mask):
-        return self.vision(pixel_values=pixel_values * mask).pooler_output.flatten(1)
+        def vision(pixels):
+            return self.vision(pixel_values=pixels).pooler_output.flatten(1)
+
+        pixels = pixel_values * mask
+        return checkpoint(vision, pixels, use_reentrant=False) if self.checkpointed else vision(pixels)
 
     def forward(self, pixel_values=None, mask=None, labels=None):
         feats = self.encode(pixel_values, mask=mask)
@@ -31,21 +39,37 @@ def tower():
     return Tower.from_modules({"vision": vision}).train()
 
 
+SHAPES = {"pixel_values": ((3, 1, 4, 4), torch.float32), "mask": ((3, 1, 1, 1), torch.bool)}  # 4x4: BatchNorm
+ROW = {"pixel_values": torch.rand(1, 1, 4, 4), "mask": torch.ones(1, 1, 1, 1, dtype=torch.bool)}  # sees 1x1 maps
+
+
 @pytest.fixture
-def distributed(monkeypatch):
-    """As if prepared over several ranks, another rank holding a batch of 3 images."""
-    monkeypatch.setattr(missing, "runs_collectives", lambda model: True)
-    donors = {"pixel_values": ((3, 1, 16, 16), torch.float32), "mask": ((3, 1, 1, 1), torch.bool)}
-    monkeypatch.setattr(missing, "shared_shapes", lambda module, method, values: donors)
+def distributed(tower, monkeypatch):
+    """As if prepared over 2 ranks with the vision module replicated; `exchange["others"]`: whether the other rank
+    has images (3, whose row 0 is ROW)."""
+    exchange = {"others": True}
+    tower.prepared = WrappedModules(wrapped={"vision": "ddp"}, frozen=set())
+    monkeypatch.setattr(missing, "world_size", lambda: 2)
+    monkeypatch.setattr(missing, "comm_device", lambda prepared: torch.device("cpu"))
+
+    def shared_shapes(module, method, values, device=None):
+        mine = all(v is not None and len(v) for v in values.values())
+        donors = SHAPES if exchange["others"] or mine else dict.fromkeys(values)
+        donor = (0 if mine else 1) if donors is SHAPES else None
+        return donors, donor, mine and exchange["others"]
+
+    monkeypatch.setattr(missing, "shared_shapes", shared_shapes)
+    monkeypatch.setattr(missing, "broadcast_row", lambda donors, rank, inputs, prepared: None if rank is None
+                        else {c: (inputs[c][:1] if rank == 0 else ROW[c]) for c in inputs})
+    return exchange
 
 
 def test_a_rank_without_input_gets_0_rows_and_reaches_the_module_backward(tower, distributed):
     stats = {k: v.clone() for k, v in tower.state_dict().items() if "running" in k or "num_batches" in k}
     assert stats
     out = tower()
-    feats = tower.encode(None, None)
+    feats = tower.encode(None, None)  # a 2-row dummy: BatchNorm on 1x1 maps needs more than one value per channel
     assert feats.shape == (0, 16) and feats.grad_fn is not None
-    missing.PENDING.pop(tower)  # (the direct call above)
     for key, value in tower.state_dict().items():  # the dummy's batch statistics were put back
         if key in stats:
             assert torch.equal(value, stats[key]), key
@@ -56,17 +80,66 @@ def test_a_rank_without_input_gets_0_rows_and_reaches_the_module_backward(tower,
     assert all(torch.count_nonzero(g) == 0 for g in grads)  # and contributed nothing
 
 
-def test_no_rank_with_input_skips_the_module_everywhere(tower, monkeypatch):
-    monkeypatch.setattr(missing, "runs_collectives", lambda model: True)
-    monkeypatch.setattr(missing, "shared_shapes", lambda module, method, values: dict.fromkeys(values))
+def test_no_rank_with_input_skips_the_module_everywhere_unless_an_accumulation_window_must_close(tower, distributed):
+    distributed["others"] = False
     assert tower.encode(None, None) is None and tower not in missing.PENDING
+    images = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    tower.prepared.syncing = False  # a micro-step inside the window: this rank has images
+    assert tower.encode(*images).shape == (2, 16)
+    tower.prepared.syncing = True  # the window's last micro-step, no image anywhere: the dummy runs (sync)
+    assert tower.encode(None, None).shape == (0, 16) and tower in missing.PENDING
+    missing.PENDING.pop(tower)
+    assert tower.encode(None, None) is None  # the next window starts clean
+    with torch.no_grad():  # evaluation: no gradient to reduce
+        tower.prepared.syncing = False
+        tower.encode(*images)
+        tower.prepared.syncing = True
+        assert tower.encode(None, None) is None
+
+
+def test_0_rows_join_a_tuple_output_or_the_logits_without_a_loss(tower, distributed):
+    tower.encode(None, None)
+    out = missing.keep_in_graph(tower, (), (torch.ones((), requires_grad=True), "x"))
+    out[0].backward()
+    assert isinstance(out, tuple) and out[1] == "x"
+    assert all(p.grad is not None for p in tower.vision.parameters())
+    tower.zero_grad(set_to_none=True)
+    tower.encode(None, None)
+    logits = torch.ones(2, 3, requires_grad=True)
+    out = missing.keep_in_graph(tower, (), {"loss": None, "logits": logits})
+    out["logits"].sum().backward()
+    assert all(p.grad is not None for p in tower.vision.parameters())
+
+
+def test_activation_checkpointing_recompute_leaves_batchnorm_statistics_alone(tower, distributed):
+    tower.checkpointed = True
+    stats = {k: v.clone() for k, v in tower.state_dict().items() if "running" in k}
+    tower()["loss"].backward()
+    assert all(torch.equal(tower.state_dict()[k], v) for k, v in stats.items())
+
+
+def test_a_stale_dummy_from_a_forward_that_raised_is_dropped(tower, distributed):
+    tower.encode(None, None)  # as if forward raised after the entry point
+    assert tower in missing.PENDING
+    tower(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool))
+    assert tower not in missing.PENDING
+
+
+def test_an_entry_point_without_named_inputs_is_refused():
+    with pytest.raises(ValueError, match=r"encode must take each input column as a named parameter; missing "
+                                         r"\['pixel_values'\]"):
+        def encode(self, **kwargs):
+            return None
+
+        offline_encoder(module="vision", inputs=["pixel_values"], output="f")(encode)
 
 
 def test_one_process_runs_the_method_as_written(tower):
     assert tower.encode(None, None) is None
     assert tower.encode(torch.rand(2, 1, 16, 16), torch.ones(2, 1, 1, 1, dtype=torch.bool)).shape == (2, 16)
+    assert tower.encode(torch.rand(0, 1, 16, 16), torch.ones(0, 1, 1, 1, dtype=torch.bool)) is None  # 0 rows: none
 
 
 def test_inputs_partly_none_are_refused_naming_the_module(tower, distributed):
     with pytest.raises(ValueError, match=r"module 'vision': encode got \['pixel_values'\] but None for \['mask'\]"):
-        tower.encode(torch.rand(2, 1, 16, 16), None)
+        tower.encode(torch.rand(2, 1, 4, 4), None)

@@ -37,6 +37,8 @@ class WrappedModules:
     frozen: set[str] = field(default_factory=set)
     sync_units: list[tuple[nn.Module, str, bool]] = field(default_factory=list)  # (unit, strategy, keep_gathered)
     meshes: dict = field(default_factory=dict)  # module -> its DeviceMesh (`parallel: fsdp` modules)
+    device: torch.device = torch.device("cpu")  # where the modules run (the accelerator's device)
+    syncing: bool = True  # False inside an accumulation window's micro-steps before the last
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -48,6 +50,7 @@ class WrappedModules:
             self._set_sync(True)
 
     def _set_sync(self, enabled: bool) -> None:
+        self.syncing = enabled
         for unit, strategy, keep_gathered in self.sync_units:
             if strategy == "fsdp":
                 fsdp.set_gradient_sync(unit, enabled, keep_gathered)
@@ -77,7 +80,7 @@ def prepare_modules(accelerator, model, module_args: dict[str, ModuleArguments],
     """Place, wrap and (for `empty_init` modules) fill every module; `trainable` from `apply_training_modes`."""
     device = accelerator.device
     plan = plan_wrapping(module_args, trainable, fsdp_scope)
-    result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable))
+    result = WrappedModules(wrapped=dict(plan), frozen=set(module_args) - set(trainable), device=device)
     shapes = {name: mesh_shape(name, module_args[name].parallelism, world_size()) for name in plan
               if plan[name] == "fsdp" and fsdp_scope == "module"}  # every mesh error before anything is placed
     if fsdp_scope == "model" and has_process_group() and module_args:  # the top-level parallelism (every module's)
