@@ -65,7 +65,7 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, comm_device(prepared))
     sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
     if present:
-        in_window(model, spec, {c: inputs[c][:1].detach() for c in spec.inputs})
+        in_window(model, spec, {c: inputs[c][:1].detach().clone() for c in spec.inputs})
         return tensor_output(spec, fn(*bound.args, **bound.kwargs))
     sample = in_window(model, spec, sample)
     if sample is None:  # no rank has an input (and no window to close): skipped everywhere
@@ -76,22 +76,30 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
 
 
 def dummy_rows(model, spec, fn, bound):
-    """The method on the dummy; its first 0 rows, joined to the forward's loss; the model's buffers put back."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    """The method on the dummy; its first 0 rows, joined to the forward's loss. The buffers the dummy changed are
+    put back now, and again at the end of backward (to what they were when backward reached the dummy)."""
+    from torch.autograd import Variable
 
-    def restore():  # `.data`: no version bump (autograd saved BatchNorm's statistics; training-mode backward
-        for buffer, before in buffers:  # uses the batch's own)
-            buffer.data.copy_(before)
-
+    before = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     out = tensor_output(spec, fn(*bound.args, **bound.kwargs))
-    restore()
+    touched = [(b, saved) for b, saved in before if not torch.equal(b, saved)]
+    restore(touched)
     rows = out[:0]
-    if rows.requires_grad:  # activation checkpointing re-runs the dummy's forward in backward: restore again
-        from torch.autograd import Variable
+    if rows.requires_grad and touched:  # activation checkpointing re-runs the dummy's forward in backward
 
-        rows.register_hook(lambda grad: Variable._execution_engine.queue_callback(restore) and None)
+        def at_backward(grad):
+            again = [(b, b.detach().clone()) for b, _ in touched]
+            Variable._execution_engine.queue_callback(lambda: restore(again))
+
+        rows.register_hook(at_backward)
     PENDING.setdefault(model, []).append(rows)
     return rows
+
+
+def restore(saved: list) -> None:
+    """`.data`: no version bump (autograd saved BatchNorm's statistics; training-mode backward uses the batch's)."""
+    for buffer, value in saved:
+        buffer.data.copy_(value)
 
 
 def tensor_output(spec, out):
@@ -202,12 +210,14 @@ def class_encoders(cls) -> tuple:
 
 def keep_in_graph(model, args, output):
     """Forward hook of `OmniModel`: this forward's 0-row outputs join (adding 0) its loss, or without one its first
-    output that needs a gradient (logits a `compute_loss_func` reads); a dict, ModelOutput or tuple."""
+    output that needs a gradient (logits a `compute_loss_func` reads); a dict, ModelOutput, tuple or tensor."""
     CACHED.pop(model, None)
     pending = PENDING.pop(model, None)
     if not pending:
         return None
     zero = sum(rows.sum() for rows in pending)
+    if isinstance(output, torch.Tensor):  # a forward returning its loss
+        return output + zero.to(output.dtype) if output.requires_grad and output.is_floating_point() else None
     items = list(output.items()) if isinstance(output, dict) else list(enumerate(output)) \
         if isinstance(output, (tuple, list)) else []
     needs = [k for k, v in items if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
@@ -217,4 +227,5 @@ def keep_in_graph(model, args, output):
     if isinstance(output, dict):
         output[key] = output[key] + zero.to(output[key].dtype)
         return output
-    return type(output)(v + zero.to(v.dtype) if k == key else v for k, v in items)
+    values = [v + zero.to(v.dtype) if k == key else v for k, v in items]
+    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # a namedtuple too

@@ -3,6 +3,8 @@ process with the cross-rank exchange stubbed: the dummy's 0 rows, BatchNorm stat
 backward reached through the loss even when `forward` drops the rows, and the errors. The 4-rank runs against one
 process are in tests/test_mesh_multiprocess.py."""
 
+import copy
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -45,10 +47,14 @@ ROW = {"pixel_values": torch.rand(1, 1, 4, 4), "mask": torch.ones(1, 1, 1, 1, dt
 
 @pytest.fixture
 def distributed(tower, monkeypatch):
-    """As if prepared over 2 ranks with the vision module replicated; `exchange["others"]`: whether the other rank
-    has images (3, whose row 0 is ROW)."""
+    return stub_exchange(tower, monkeypatch)
+
+
+def stub_exchange(model, monkeypatch) -> dict:
+    """As if `model` were prepared over 2 ranks with its modules replicated; `exchange["others"]`: whether the other
+    rank has images (3, whose row 0 is ROW)."""
     exchange = {"others": True}
-    tower.prepared = WrappedModules(wrapped={"vision": "ddp"}, frozen=set())
+    model.prepared = WrappedModules(wrapped=dict.fromkeys(model.module_names, "ddp"), frozen=set())
     monkeypatch.setattr(missing, "world_size", lambda: 2)
     monkeypatch.setattr(missing, "comm_device", lambda prepared: torch.device("cpu"))
 
@@ -143,3 +149,23 @@ def test_one_process_runs_the_method_as_written(tower):
 def test_inputs_partly_none_are_refused_naming_the_module(tower, distributed):
     with pytest.raises(ValueError, match=r"module 'vision': encode got \['pixel_values'\] but None for \['mask'\]"):
         tower.encode(torch.rand(2, 1, 4, 4), None)
+
+
+class TwoTowers(Tower):
+    @offline_encoder(module="audio", inputs=["pixel_values", "mask"], output="audio_features")
+    def encode_audio(self, pixel_values, mask):
+        return self.audio(pixel_values=pixel_values * mask).pooler_output.flatten(1)
+
+    def forward(self, images=None, sounds=None):
+        return {"loss": torch.cat([self.encode(*(images or (None, None))),
+                                   self.encode_audio(*(sounds or (None, None)))]).square().mean()}
+
+
+def test_only_the_dummy_buffer_changes_are_put_back(tower, monkeypatch):
+    """No image on this rank, sounds on every rank: the audio tower's BatchNorm statistics move, vision's do not."""
+    model = TwoTowers.from_modules({"vision": tower.vision, "audio": copy.deepcopy(tower.vision)}).train()
+    stub_exchange(model, monkeypatch)
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running_mean" in k}
+    model(sounds=(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)))["loss"].backward()
+    moved = {k.split(".")[0] for k, v in model.state_dict().items() if k in stats and not torch.equal(v, stats[k])}
+    assert moved == {"audio"}
