@@ -57,7 +57,9 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     if not runs_collectives(model):
         return fn(*bound.args, **bound.kwargs) if present else None
     prepared = model.prepared
-    if prepared.wrapped.get(spec.module) == "offline" and not present:  # other ranks may have cached outputs
+    if prepared.wrapped.get(spec.module) == "offline":  # ranks given cached outputs never call it: no exchange
+        if present:
+            return fn(*bound.args, **bound.kwargs)
         if spec.module not in CACHED.get(model, {}):
             raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
         row = CACHED[model][spec.module]

@@ -169,3 +169,10 @@ def test_only_the_dummy_buffer_changes_are_put_back(tower, monkeypatch):
     model(sounds=(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)))["loss"].backward()
     moved = {k.split(".")[0] for k, v in model.state_dict().items() if k in stats and not torch.equal(v, stats[k])}
     assert moved == {"audio"}
+
+
+def test_an_offline_module_given_its_inputs_runs_without_an_exchange(tower, distributed, monkeypatch):
+    """The ranks given cached outputs never call the entry point: an exchange here would wait for them forever."""
+    tower.prepared.wrapped = {"vision": "offline", "projector": "ddp"}  # another module still replicated
+    monkeypatch.setattr(missing, "shared_shapes", lambda *a, **k: pytest.fail("exchanged for an offline module"))
+    assert tower.encode(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)).shape == (2, 16)
