@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 from .config import OmniConfig, module_folder
+from .hub_link import rebuilds_from_origin
 from .model_card import composition_card, module_card, read_summary
 from .module_io import module_files
 
@@ -56,8 +57,9 @@ def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str
         want, own_repo = own.get("push_to_hub"), own.get("hub_model_id")
         origin = entry.get("hub_repo")
         link = want is False or (want is None and entry.get("trained") is False and origin is not None
-                                 and not entry.get("processor") and root is not None
-                                 and same_weights(module_folder(root, config, name), origin, entry.get("hub_revision")))
+                                 and root is not None
+                                 and rebuilds_from_origin(module_folder(root, config, name), entry["class"], origin,
+                                                          entry.get("hub_revision"), entry.get("processor"), name))
         if link:
             target = own_repo or (origin if entry.get("trained") is False else None)
             if target is None:
@@ -84,32 +86,6 @@ def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str
         raise ValueError(f"push: modules would share the repos {clash} (with each other or the composition "
                          f"{repo_id}): set distinct modules.<name>.hub_model_id")
     return plans
-
-
-def same_weights(folder: str, repo_id: str, revision: str | None) -> bool:
-    """Whether the module saved in `folder` holds exactly the tensors of `repo_id` at `revision` (the commit it was
-    recorded as loaded at): only then is linking it right. Anything unknown (no commit, a download error) is
-    not the same."""
-    import glob
-
-    import torch
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
-    from safetensors.torch import load_file
-
-    if not revision:
-        return False
-    try:
-        remote = snapshot_download(repo_id, revision=revision, allow_patterns=["*.safetensors"])
-    except (OSError, ValueError, HfHubHTTPError) as err:  # offline, gone, gated: upload instead of linking blind
-        logger.info("hf_omni: %s@%s not comparable (%s): uploading instead of linking", repo_id, revision, err)
-        return False
-
-    def tensors(where: str) -> dict:
-        return {k: v for f in sorted(glob.glob(os.path.join(where, "*.safetensors"))) for k, v in load_file(f).items()}
-
-    ours, theirs = tensors(folder), tensors(remote)
-    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def module_operations(folder: str, prefix: str, card: str | None, own_repo: str | None = None) -> list:

