@@ -95,11 +95,15 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
     return norms, total
 
 
-class ModuleOptimizers:
+class ModuleOptimizers(torch.optim.Optimizer):
     """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`; `params[module]`: the
     parameters it trains, in module order (what clipping reads). With fp16 (`scaler`: the Accelerator's one
     GradScaler, shared by every module): `unscale_()` each optimizer once before clipping, step each through the
-    scaler (all skip together on an inf / nan anywhere), then one `update()`."""
+    scaler (all skip together on an inf / nan anywhere), then one `update()`.
+
+    A `torch.optim.Optimizer` (its own constructor is not run: the modules' optimizers hold the parameters), so
+    that `accelerator.prepare` wraps it as it wraps any optimizer and `accelerator.accumulate()` skips its `step` /
+    `zero_grad` on the micro-steps that do not sync."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: dict[str, list[nn.Parameter]],
                  scaler=None):
@@ -122,6 +126,11 @@ class ModuleOptimizers:
     @property
     def defaults(self) -> dict:
         return next(iter(self.optimizers.values())).defaults
+
+    @property
+    def state(self) -> dict:
+        """Every module's per-parameter state (a merged view)."""
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
 
     def step(self, closure=None):
         if closure is not None:
@@ -160,17 +169,25 @@ class ModuleOptimizers:
         return f"ModuleOptimizers({', '.join(f'{n}: {type(o).__name__}' for n, o in self.optimizers.items())})"
 
 
-class ModuleSchedulers:
-    """Steps every module's scheduler; `get_last_lr()` lists the modules' rates in module order."""
+class ModuleSchedulers(torch.optim.lr_scheduler.LRScheduler):
+    """Steps every module's scheduler; `get_last_lr()` lists the modules' rates in module order. An `LRScheduler`
+    (its constructor not run) so that `accelerator.prepare` wraps it like any scheduler."""
 
     def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]):
         self.schedulers = dict(schedulers)
         self.stepped_lr: dict[str, float] = {}  # the rates the last optimizer step used
+        self._step_count = 1  # as torch's constructor leaves it (Accelerate counts skipped micro-steps on it)
 
-    def step(self):
+    def step(self, epoch=None):
+        if epoch is not None:
+            raise ValueError("ModuleSchedulers.step does not take an epoch")
         self.stepped_lr = self.last_lr_by_module()
         for sched in self.schedulers.values():
             sched.step()
+        self._step_count += 1
+
+    def get_lr(self) -> list[float]:
+        return self.get_last_lr()
 
     def get_last_lr(self) -> list[float]:
         return [lr for sched in self.schedulers.values() for lr in sched.get_last_lr()]
