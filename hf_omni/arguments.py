@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
 
 from .errors import OmniArgumentError
 from .keys import as_number, check_type, merge_overlay
+from .trainer_fields import COMPILE, REFUSALS
 from .module_arguments import MODULE_FIELDS, MODULE_KEYS, FsdpSettings, ModuleArguments, check_module_key, field_help
 
 FSDP_SCOPES = ("module", "model")
@@ -77,23 +78,17 @@ class OmniTrainingArguments(TrainingArguments):
         self._validate()
 
     def _refuse_global_settings(self) -> None:
-        """Trainer's global engines and what hf_omni does not do yet, each naming the key to use instead."""
-        refused = [
-            (self.fsdp, "fsdp", "Trainer's global FSDP is not used by hf_omni; set `parallel: fsdp` and "
-             "`fsdp_plugin` (top level or under modules.<name>) instead"),
-            (self.fsdp_config is not None, "fsdp_config", "use `fsdp_plugin` (top level or under modules.<name>)"),
-            (self.deepspeed is not None, "deepspeed", "one global engine for the whole model; use `parallel: fsdp` "
-             "with `fsdp_plugin` per module (modules.<name>.parallel / modules.<name>.fsdp_plugin)"),
-            (self.parallelism_config is not None, "parallelism_config", "one global device mesh for the whole model; "
-             "set `parallel` (and `fsdp_plugin`) per module under modules.<name>"),
-            (self.fp16 and (self.use_cpu or not torch.cuda.is_available()), "fp16", "fp16 training needs CUDA (its "
-             "GradScaler); on CPU use bf16"),
-            (self.torch_compile, "torch_compile", "Trainer would compile the composed model as a whole, around "
-             "the per-module wrapping; per-module compilation is not supported yet"),
-        ]
-        for bad, name, message in refused:
-            if bad:
-                raise OmniArgumentError(None, name, message)
+        """Trainer's global engines and what hf_omni does not do (`trainer_fields.REFUSALS`), each naming the key to
+        use instead; read from the arguments as written, before TrainingArguments' post-init changes them."""
+        for name, refusal in REFUSALS.items():
+            if refusal.refused(self):
+                raise OmniArgumentError(None, name, refusal.message)
+        for variable in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):  # `accelerate launch --use_fsdp`, ...
+            if os.environ.get(variable, "").lower() in ("1", "true", "yes"):
+                raise OmniArgumentError(None, variable, "the launcher turns on Accelerate's one global engine for "
+                                        "the whole model; launch without it and set `parallel: fsdp` per module")
+        if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":  # `accelerate launch --dynamo_backend`
+            raise OmniArgumentError(None, "ACCELERATE_DYNAMO_BACKEND", COMPILE)
         gc, ac = self.gradient_checkpointing, self.activation_checkpointing
         if gc or (gc is not None and ac is None):  # (both False: the values TrainingArguments itself leaves)
             raise OmniArgumentError(None, "gradient_checkpointing", "use `activation_checkpointing` (top level: every "

@@ -92,6 +92,21 @@ def _optimizer_names():
     return {o.value for o in OptimizerNames}
 
 
+UNSUPPORTED_OPTIMIZERS = {  # name prefix -> why a per-module optimizer cannot be one
+    "galore_": "builds its own parameter groups from `optim_target_modules`",
+    "apollo_": "builds its own parameter groups from `optim_target_modules`",
+    "lomo": "steps inside backward (it needs the whole model), not per module",
+    "adalomo": "steps inside backward (it needs the whole model), not per module",
+    "schedule_free_": "needs train() / eval() calls that per-module optimizers do not make",
+}
+
+
+def _check_optim(module: str | None, name: str) -> None:
+    for prefix, why in UNSUPPORTED_OPTIMIZERS.items():
+        if name.startswith(prefix):
+            raise OmniArgumentError(module, "optim", f"{name!r} {why}: not supported yet")
+
+
 def _scheduler_names():
     from transformers import SchedulerType
 
@@ -141,7 +156,8 @@ class ModuleArguments:
                             check=_check_lora)
     learning_rate: float = key(5e-5, NUMBER, "the module's optimizer learning rate", minimum=0)
     weight_decay: float = key(0.0, NUMBER, "weight decay (not on biases and norms)", minimum=0)
-    optim: str = key("adamw_torch", (str,), "a TrainingArguments `optim` name", choices=_optimizer_names)
+    optim: str = key("adamw_torch", (str,), "a TrainingArguments `optim` name (not GaLore, APOLLO, LOMO or "
+                     "schedule-free ones)", choices=_optimizer_names, check=_check_optim)
     optim_args: str | None = key(None, (str,), "TrainingArguments `optim_args`", nullable=True)
     lr_scheduler_type: str = key("linear", (str,), "a TrainingArguments scheduler name (not metric-driven ones)",
                                  choices=_scheduler_names)

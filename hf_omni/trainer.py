@@ -1,18 +1,15 @@
-"""`OmniTrainer`: `transformers.Trainer` over an `OmniPlugin`. Trainer's loop runs unchanged; only these
-hooks are overridden (and checked against the installed Trainer by `check_trainer_hooks`):
+"""`OmniTrainer`: `transformers.Trainer` over an `OmniPlugin`. Trainer's loop runs unchanged; the hooks it
+overrides are listed, with the parameters relied on, in `trainer_hooks.TRAINER_HOOKS` (checked against the
+installed Trainer). By concern:
 
-- `_prepare_for_training`: the plugin wraps each module in place and builds the per-module optimizers and
-  schedulers (Trainer would wrap the whole composed model in DDP);
-- `create_optimizer` / `create_scheduler`: return the plugin's composites;
-- `_clip_grad_norm` / `_get_grad_norm`: per-module or global clipping, combined norm;
-- `log`: adds `grad_norm/<module>` and `lr/<module>`;
-- `save_model`: one HF folder per module plus the root config;
-- `_move_model_to_device`: leaves `empty_init` modules on the meta device for the plugin to fill;
-- `train` / `_load_from_checkpoint` / `_save_checkpoint` / `_save_rng_state` / `_load_rng_state`: per-module
-  checkpoints (see `hf_omni.checkpoint`): `resume_from_checkpoint=True` takes the newest *complete* checkpoint,
-  the marker is written after Trainer's own state, rotation only counts complete checkpoints, RNG states are
-  JSON, and a rank without an RNG file of its own (resuming at another world size) gets a derived state;
-- `_load_best_model`: `load_best_model_at_end` reads every module's weights back from the best checkpoint.
+- preparing: `_prepare_for_training` (the plugin wraps each module in place and builds its optimizer and
+  scheduler), `create_optimizer` / `create_scheduler` (the plugin's composites), `_move_model_to_device` (meta
+  modules stay for the plugin to fill), `evaluate` / `predict` (before `train()`: the modules prepared first);
+- the step: `compute_loss` (label smoothing inside the modules), `_clip_grad_norm` / `_get_grad_norm`, `log`;
+- checkpoints (`hf_omni.checkpoint`): `train` (the newest *complete* checkpoint), `_save_checkpoint` (the marker
+  after Trainer's own state), `_load_from_checkpoint` / `_load_optimizer_and_scheduler` / `_load_scaler` (the plugin
+  reads them, never a pickle), `_save_rng_state` / `_load_rng_state` (JSON, one per rank), `_load_best_model`;
+- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`trainer_hub.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import os
 
 from transformers import Trainer
 
-from . import checkpoint_files
+from . import checkpoint_files, label_smoothing
 from .arguments import OmniTrainingArguments
 from .model_card import write_summary
 from .offline import CachedRows, is_released
@@ -49,6 +46,15 @@ class OmniTrainer(HubPushMixin, Trainer):
         check_hub_links(args, model)
         super().__init__(model=model, args=args, **kwargs)
         self._init_hub()
+        for module in model.omni_modules().values():  # Trainer sets `use_cache` on its one model's config
+            if hasattr(module.config, "use_cache"):
+                module.config.use_cache = args.use_cache
+        # label smoothing inside the modules that compute the loss (label_smoothing.py), not on Trainer's logits
+        self.smoothed_losses = label_smoothing.install(model, args.label_smoothing_factor) \
+            if self.label_smoother is not None else []
+        self.label_smoother = None
+        if args.neftune_noise_alpha is not None:
+            model.get_input_embeddings()  # NEFTune's embeddings: ambiguous or missing ones refused now
 
     # -- checkpoints ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -60,7 +66,7 @@ class OmniTrainer(HubPushMixin, Trainer):
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             checkpoint_files.check_complete(str(resume_from_checkpoint))  # digests: by the plugin's load, on rank 0
-        if self.plugin.offline and not self.plugin.is_prepared:
+        if self.plugin.offline and not self.plugin.modules_prepared:
             self._serve_offline()
         if os.environ.get("HF_OMNI_ENCODE_ONLY") == "1":  # `hf-omni encode`: the caches are built; stop here
             if not self.plugin.offline:
@@ -88,6 +94,23 @@ class OmniTrainer(HubPushMixin, Trainer):
         if evals is not None:
             self.eval_dataset = {k: served[f"eval-{k}"] for k in evals} if isinstance(evals, dict) else served["eval"]
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        self._prepare_modules_for_eval()
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        self._prepare_modules_for_eval()
+        return super().predict(test_dataset, ignore_keys, metric_key_prefix)
+
+    def _prepare_modules_for_eval(self) -> None:
+        """Before `train()`: the modules prepared as training will run them (sharded, read, served offline)."""
+        if self.plugin.modules_prepared:
+            return
+        if self.plugin.offline:
+            self._serve_offline()
+        self.plugin.prepare_modules(self.accelerator, self.model)
+        self.model_wrapped = self.model
+
     def get_eval_dataloader(self, eval_dataset=None):
         self._check_served(eval_dataset)
         return super().get_eval_dataloader(eval_dataset)
@@ -103,15 +126,13 @@ class OmniTrainer(HubPushMixin, Trainer):
                              "to evaluate() / predict() now has no cache; pass it as eval_dataset= before train()")
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Nothing here: Trainer calls this before preparing; `_prepare_for_training` has the plugin read the
-        modules in place once they are wrapped."""
+        """Nothing here: Trainer calls this before preparing; the plugin reads the modules once they are wrapped."""
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """Nothing here: the plugin loaded every module's optimizer and scheduler (and never Trainer's pickled
-        `optimizer.pt` / `scheduler.pt`, which a crafted checkpoint could list in its marker)."""
+        """Nothing here: the plugin loaded them (never Trainer's pickled `optimizer.pt` / `scheduler.pt`)."""
 
     def _load_scaler(self, checkpoint):
-        """Nothing here: the plugin loaded the GradScaler from `scaler.json` (never a pickled `scaler.pt`)."""
+        """Nothing here: the plugin loaded `scaler.json` (never a pickled `scaler.pt`)."""
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_callback import ExportableState
@@ -169,8 +190,8 @@ class OmniTrainer(HubPushMixin, Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         filled = set()
         if not self.plugin.is_prepared:
-            if resume_from_checkpoint is not None:  # empty_init: modules go straight from meta to the checkpoint
-                filled = self.plugin.fill_from_checkpoint(self.model, resume_from_checkpoint)
+            if resume_from_checkpoint is not None and not self.plugin.modules_prepared:  # empty_init: straight to
+                filled = self.plugin.fill_from_checkpoint(self.model, resume_from_checkpoint)  # the checkpoint
             _, self.optimizer, self.lr_scheduler = self.plugin.prepare(self.accelerator, self.model, max_steps)
         else:  # a second train() call: fresh optimizers and schedulers over the already prepared modules
             self.plugin.build_optimizers(max_steps)
@@ -195,6 +216,14 @@ class OmniTrainer(HubPushMixin, Trainer):
         return self.plugin.scheduler
 
     # -- the step -------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.smoothed_losses or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        before = label_smoothing.calls(self.smoothed_losses)
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        label_smoothing.check(self.smoothed_losses, before)
+        return out
+
     def _clip_grad_norm(self, model):
         return self.plugin.clip_grad_norm_()
 

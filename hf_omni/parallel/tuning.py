@@ -43,7 +43,9 @@ def apply_activation_checkpointing(module: nn.Module, margs: ModuleArguments) ->
         raise OmniArgumentError(margs.name, "activation_checkpointing",
                                 f"{type(module).__name__} does not support activation checkpointing")
     kwargs = {"use_reentrant": False, **(margs.activation_checkpointing_kwargs or {})}
-    module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)  # as Trainer passes
+    module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers,
+                                           offload=offload)
 
 
 def check_supported(module: nn.Module, name: str) -> None:
