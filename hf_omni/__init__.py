@@ -10,6 +10,7 @@ from .errors import OmniArgumentError
 from .module_arguments import ModuleArguments
 from .config import OmniConfig
 from .modeling import OmniModel
+from .module_classes import register_module_class
 from .offline import offline_encoder
 from .plugin import OmniPlugin
 from .projector import Projector, ProjectorConfig
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
-    "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder", "register_module_class",
 ]

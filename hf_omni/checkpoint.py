@@ -176,11 +176,11 @@ class ModuleCheckpointer:
                 write_frozen_source(self.model, name, self.output_dir, self.group)
 
     # -- load -------------------------------------------------------------------------------------
-    def check(self, directory: str) -> dict:
+    def check(self, directory: str, weights_only: bool = False) -> dict:
         """Every check of a checkpoint against this model, before anything is loaded (names the module and
-        parameter that differ)."""
+        parameter that differ). `weights_only`: a `save_only_model` checkpoint serves too."""
         marker = files.check_complete(directory, verify=self.verify and is_main())  # agreed on by every rank
-        if marker.get("resumable") is False:
+        if marker.get("resumable") is False and not weights_only:
             raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
                              "optimizer state; it cannot be resumed (load it with from_pretrained)")
         saved, ours = set(marker["modules"]), set(self.trainable)
@@ -199,7 +199,7 @@ class ModuleCheckpointer:
         source), then — unless `weights_only` (Trainer's best model at the end) — optimizer shards (resharded by
         DCP at another world size) and scheduler."""
         with agreed(f"checking checkpoint {directory}", self.group):
-            self.check(directory)
+            self.check(directory, weights_only)
             config = OmniConfig.from_pretrained(directory)
             folders = {name: module_folder(directory, config, name) for name in self.model.module_names}
             for name in self.trainable:
@@ -219,9 +219,9 @@ class ModuleCheckpointer:
             entry = self.model.config.module_entry(name)
             entry["source"] = entry.get("source") or config.module_entry(name).get("source")
         for name in self.trainable:
-            if weights_only:
-                module_state.load_module_tensors(folders[name], self._unmapped_tensors(name))
-            else:
+            if weights_only and os.path.isdir(os.path.join(folders[name], module_state.STATE)):  # (save_only_model:
+                module_state.load_module_tensors(folders[name], self._unmapped_tensors(name))  # none, read above)
+            elif not weights_only:
                 module_state.load_module_state(getattr(self.model, name), optimizer.optimizers[name],
                                                scheduler.schedulers[name], folders[name], self._unmapped_tensors(name),
                                                saved[name])
@@ -233,7 +233,7 @@ class ModuleCheckpointer:
         frozen one from its source (through transformers' loading for what the files do not hold as is). A tensor
         that cannot be restored is an error naming the module and tensor."""
         module, unmapped = getattr(self.model, name), self.unmapped(name)
-        if name in self.trainable:
+        if name in self.trainable and os.path.isdir(os.path.join(folder, module_state.STATE)):  # (else: a frozen one's)
             read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)
             kept = set(module_state.state_keys(folder)) if dry_run and unmapped else set()
             lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]

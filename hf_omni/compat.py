@@ -21,6 +21,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
     ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
     ("transformers", "transformers.PreTrainedModel._init_weights"),
+    ("transformers", "transformers.PreTrainedModel._get_dtype_plan"),
     ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),
     ("transformers", "transformers.Trainer.get_decay_parameter_names"),
     ("transformers", "transformers.Trainer._get_output_dir"),
@@ -112,6 +113,13 @@ def transformers_save_keys(module: nn.Module, state: dict[str, torch.Tensor]) ->
     `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`; MoE experts merged on load
     are split again). Renamed tensors keep their identity; merged or split ones are new tensors."""
     return resolve("transformers.core_model_loading.revert_weight_conversion")(module, dict(state))
+
+
+def keep_in_fp32_plan(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """The name patterns `from_pretrained` loads in float32 when the model loads in `dtype` (its dtype plan from
+    `_keep_in_fp32_modules` / `_keep_in_fp32_modules_strict`)."""
+    resolve("transformers.PreTrainedModel._get_dtype_plan")
+    return [pattern for pattern, kept in module._get_dtype_plan(dtype).items() if kept == torch.float32]
 
 
 def init_weights(module: nn.Module, sub: nn.Module) -> None:

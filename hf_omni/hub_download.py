@@ -85,3 +85,13 @@ def linked_folders(root: str, config: OmniConfig, token=None, cache_dir=None) ->
             out[entry["name"]] = download_module(entry["hub_repo"], entry.get("hub_revision"), entry["name"], token,
                                                  cache_dir)
     return out
+
+
+def hub_origin(module) -> dict:
+    """A module loaded from the Hub: its repo (`_name_or_path`) and the commit it was loaded at (`_commit_hash`
+    where transformers still records it, else the commit the cache's ref names; none found: not a link)."""
+    path = getattr(module.config, "_name_or_path", "") or ""
+    if not path or not is_hub_id(path):
+        return {}
+    commit = getattr(module.config, "_commit_hash", None) or cached_commit(path)
+    return {"hub_repo": path, "hub_revision": commit} if commit else {}

@@ -29,12 +29,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import OmniConfig, module_folder
+from .empty_init import build_empty
 from .module_io import (
-    PROCESSOR_KINDS, build_empty, copy_module_folder, has_adapter, load_adapter, load_processor, merged_module,
+    PROCESSOR_KINDS, copy_module_folder, has_adapter, load_adapter, load_processor, merged_module,
     original_class, processor_kind, save_module,
 )
-from .hub_download import cached_commit, download_composition, is_hub_id, linked_folders
-from .module_classes import per_module, resolve_module_class
+from .hub_download import download_composition, hub_origin, is_hub_id, linked_folders
+from .module_classes import class_record, embeddings_of, is_token_embedding, per_module, resolve_module_class
 from .missing_modality import keep_in_graph, before_forward
 from .offline import is_released
 from .parallel import full_state_dict
@@ -48,6 +49,7 @@ class OmniModel(PreTrainedModel):
     base_model_prefix = "omni"
     main_input_name = "input_ids"
     label_shift: bool = False
+    input_embeddings_module: str | None = None  # the module whose token embeddings are the model's (NEFTune)
 
     def __init__(self, config: OmniConfig, modules: dict[str, PreTrainedModel] | None = None,
                  processors: dict[str, Any] | None = None):
@@ -89,7 +91,7 @@ class OmniModel(PreTrainedModel):
             path = getattr(module.config, "_name_or_path", "") or ""
             if source is None and path and os.path.isdir(path):
                 source = os.path.abspath(path)
-            entries.append({"name": name, "class": original_class(module).__name__, "subfolder": name,
+            entries.append({"name": name, "class": class_record(original_class(module), name), "subfolder": name,
                             "source": source, **hub_origin(module)})
         config = OmniConfig(modules=entries, omni_class=cls.__name__)
         return cls(config, modules=modules, processors=processors)
@@ -106,6 +108,22 @@ class OmniModel(PreTrainedModel):
         if exclude_embeddings not in self._num_parameters:
             self._num_parameters[exclude_embeddings] = self.num_parameters(exclude_embeddings=exclude_embeddings)
         return 6 * self.estimate_tokens(input_dict) * self._num_parameters[exclude_embeddings]
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embeddings of the module named by the class attribute `input_embeddings_module`, or of the one
+        module that has token embeddings (what Trainer's NEFTune adds its noise to)."""
+        name = self.input_embeddings_module
+        if name is None:
+            found = [n for n, m in self.omni_modules().items() if is_token_embedding(embeddings_of(m))]
+            if len(found) != 1:
+                raise ValueError(f"{type(self).__name__}: {len(found)} modules have token embeddings {found}: name "
+                                 f"the one that is the model's with the class attribute input_embeddings_module = "
+                                 f"'<module>' (NEFTune's noise goes there)")
+            name = found[0]
+        if name not in self.module_names:
+            raise ValueError(f"{type(self).__name__}.input_embeddings_module: {name!r} is not a module "
+                             f"{self.module_names}")
+        return getattr(self, name).get_input_embeddings()
 
     # -- training-mode handling -----------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -153,7 +171,7 @@ class OmniModel(PreTrainedModel):
         entries = []
         for name, module in self.omni_modules().items():
             entry = dict(self.config.module_entry(name))
-            entry["class"] = original_class(module).__name__
+            entry["class"] = class_record(original_class(module), name)
             processor = self.processors.get(name)
             entry["processor"] = processor_kind(processor) if processor is not None else None
             if self.prepared is not None:  # a training run: was the module changed?
@@ -230,13 +248,3 @@ class OmniModel(PreTrainedModel):
                 return None
             return push_saved(tmp, repo_id, layout=hub_layout, modules=modules, token=token, private=private,
                               revision=revision, commit_message=commit_message)
-
-
-def hub_origin(module) -> dict:
-    """A module loaded from the Hub: its repo (`_name_or_path`) and the commit it was loaded at (`_commit_hash`
-    where transformers still records it, else the commit the cache's ref names; none found: not a link)."""
-    path = getattr(module.config, "_name_or_path", "") or ""
-    if not path or not is_hub_id(path):
-        return {}
-    commit = getattr(module.config, "_commit_hash", None) or cached_commit(path)
-    return {"hub_repo": path, "hub_revision": commit} if commit else {}

@@ -65,16 +65,40 @@ def merged_module(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     with init_empty_weights(include_buffers=False):
-        plain = original_class(module)(module.config)
+        plain = original_class(module)(copy.deepcopy(module.config))
     # copies: the merge writes into the base weights, which must not be the live module's
     plain.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in base_state_dict(state).items()},
                           assign=True)
+    plain.tie_weights()  # each name was assigned its own copy: tied weights one again, so the merge reaches all
     peft_model = get_peft_model(plain, copy.deepcopy(lora_config_of(module)))
     adapter = get_peft_model_state_dict(module, state_dict=state)
     result = set_peft_model_state_dict(peft_model, {PEFT_PREFIX + k: v for k, v in adapter.items()})
     if result.unexpected_keys:
         raise ValueError(f"merging LoRA: PEFT did not take {result.unexpected_keys[:5]}")
+    untie_adapted_halves(peft_model)
     return peft_model.merge_and_unload()
+
+
+def untie_adapted_halves(peft_model: nn.Module) -> None:
+    """A tied weight with an adapter on one of its holders only (LoRA on the input embeddings, the tied output
+    layer without one): training changed one side alone, so a merge into the one tensor would change the other
+    side too. Those holders get their own copy before the merge, and the export's config stops tying them."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = {id(layer.get_base_layer()) for layer in peft_model.modules() if isinstance(layer, BaseTunerLayer)}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in peft_model.modules():
+        for attr, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, attr))
+    for group in holders.values():
+        touched = [id(sub) in adapted for sub, _ in group]
+        if len(group) > 1 and any(touched) and not all(touched):
+            for (sub, attr), is_adapted in zip(group, touched):
+                if not is_adapted:
+                    param = sub._parameters[attr]
+                    sub._parameters[attr] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+            peft_model.get_base_model().config.tie_word_embeddings = False
 
 
 def record_original_class(folder: str, cls: type) -> None:
@@ -171,29 +195,6 @@ def load_processor(folder: str, kind: str):
     auto = {"tokenizer": AutoTokenizer, "processor": AutoProcessor, "image_processor": AutoImageProcessor,
             "feature_extractor": AutoFeatureExtractor}[kind]
     return auto.from_pretrained(folder)
-
-
-def build_empty(module_cls, folder: str) -> nn.Module:
-    """The module of `folder` with parameters on the meta device and real buffers (`empty_init`; rotary tables
-    and the like are computed, not loaded); a LoRA adapter beside the weights is injected, empty too."""
-    from accelerate import init_empty_weights
-
-    config = module_cls.config_class.from_pretrained(folder)
-    dtype = getattr(config, "dtype", None)  # what from_pretrained would build it in: the saved dtype
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    previous = torch.get_default_dtype()
-    try:
-        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-            torch.set_default_dtype(dtype)
-        with init_empty_weights(include_buffers=False):
-            module = module_cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    if has_adapter(folder):
-        from peft import LoraConfig, inject_adapter_in_model
-
-        inject_adapter_in_model(LoraConfig.from_pretrained(folder), module)
-    return module
 
 
 MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",

@@ -24,6 +24,7 @@ from torch import nn
 
 from .arguments import OmniTrainingArguments
 from .checkpoint import ModuleCheckpointer, resume_weights_folders
+from .dist import has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .offline import check_offline_modules, serve_from_caches
@@ -74,6 +75,12 @@ class OmniPlugin:
 
     @property
     def is_prepared(self) -> bool:
+        """`prepare` ran: modules wrapped and optimizers built."""
+        return self.optimizer is not None
+
+    @property
+    def modules_prepared(self) -> bool:
+        """`prepare_modules` ran (by `prepare`, or by OmniTrainer's `evaluate()` before `train()`)."""
         return self.model is not None
 
     @property
@@ -99,7 +106,14 @@ class OmniPlugin:
             raise ValueError(f"{type(model).__name__} owns tensors outside every module: {owned[:5]}. Checkpoints "
                              "and exports have one folder per module and none for the composed model: put them in a "
                              "module (a Projector, or a small PreTrainedModel) passed to from_modules")
+        check_one_owner(model)
         self.module_args = self.args.resolve_modules(model.module_names)
+        if has_process_group() and self.args.fsdp_scope == "module":
+            for name, margs in self.module_args.items():
+                if margs.trainable and margs.parallel == "none":
+                    raise OmniArgumentError(name, "parallel", "`none` under a process group trains one copy per rank: "
+                                            "the replicas would diverge and a checkpoint keeps one of them. Use "
+                                            "`ddp` or `fsdp`, or `trainable: false`")
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
         self.offline = check_offline_modules(model, list(self.args.offline_modules or []), self.module_args)
@@ -114,10 +128,24 @@ class OmniPlugin:
                                  batch_size, device, self.output_dir)
 
     def prepare(self, accelerator, model: OmniModel, num_training_steps: int | None = None):
-        """Freeze / LoRA / checkpoint / wrap each module in place, then build its optimizer and scheduler.
-        Returns `(model, optimizer, scheduler)`; `model` is the same object."""
+        """Freeze / LoRA / checkpoint / wrap each module in place (`prepare_modules`, unless done already), then
+        build its optimizer and scheduler. Returns `(model, optimizer, scheduler)`; `model` is the same object."""
         if self.is_prepared:
             raise RuntimeError("OmniPlugin.prepare was already called; use one plugin per model")
+        if not self.modules_prepared:
+            self.prepare_modules(accelerator, model)
+        elif model is not self.model:
+            raise RuntimeError("OmniPlugin.prepare: the plugin prepared another model's modules")
+        self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
+        self.build_optimizers(num_training_steps)
+        model.train()
+        return model, self.optimizer, self.scheduler
+
+    def prepare_modules(self, accelerator, model: OmniModel) -> OmniModel:
+        """Freeze / LoRA / wrap / fill every module in place, as training will run them, without optimizers
+        (evaluation before training: an `empty_init` module is sharded and read as it will be trained)."""
+        if self.modules_prepared:
+            raise RuntimeError("OmniPlugin.prepare_modules was already called; use one plugin per model")
         self.resolve(model)
         self.trainable = apply_training_modes(model, self.module_args)
         if not self.trainable:
@@ -133,10 +161,7 @@ class OmniPlugin:
         self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async,
                                                verify=self.args.verify_checkpoint,
                                                show_progress=not self.args.disable_tqdm)
-        self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
-        self.build_optimizers(num_training_steps)
-        model.train()
-        return model, self.optimizer, self.scheduler
+        return model
 
     def build_optimizers(self, num_training_steps: int | None) -> None:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
@@ -197,3 +222,20 @@ class OmniPlugin:
         frozen modules from their recorded source. `weights_only`: the modules' tensors alone."""
         self.wait_for_save()
         self.checkpointer.load(directory, self.optimizer, self.scheduler, weights_loaded, weights_only)
+
+
+def check_one_owner(model: OmniModel) -> None:
+    """Every parameter and buffer belongs to one module: a tensor reachable from two would be stepped by two
+    optimizers, saved twice and sharded twice. Refused, naming both modules and the tensor."""
+    seen: dict[int, tuple[str, str]] = {}
+    for name in model.module_names:
+        module = getattr(model, name)
+        for tensor_name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+                module.named_buffers(remove_duplicate=False)):
+            owner = seen.setdefault(id(tensor), (name, tensor_name))
+            if owner[0] != name:
+                raise ValueError(
+                    f"modules {owner[0]!r} and {name!r} share a tensor ({owner[1]} of {owner[0]!r}, {tensor_name} of "
+                    f"{name!r}): two optimizers would step it and two checkpoints hold it. A tensor belongs to one "
+                    "module: keep it in one and call that module from the other in forward (e.g. "
+                    f"self.{name}.get_input_embeddings()(ids))")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .compat import init_lora_layer, init_weights, transformers_save_keys
+from .empty_init import materialize
 from .module_io import (
     ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of, original_class,
     save_view,
@@ -63,6 +64,14 @@ class SafetensorsIndex:
         handle = self.where[key].get_slice(key)
         return tuple(handle.get_shape()), DTYPES.get(handle.get_dtype())
 
+    def first_float_dtype(self) -> str | None:
+        """The dtype name of the first floating tensor (what `from_pretrained` loads in when the config has none)."""
+        for key in sorted(self.where):
+            dtype = self.info(key)[1]
+            if dtype is not None and dtype.is_floating_point:
+                return str(dtype).removeprefix("torch.")
+        return None
+
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The whole tensor, or only rows [start, stop) of dim 0 (read from disk alone)."""
         if rows is None:
@@ -78,19 +87,32 @@ def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def file_layout(module: nn.Module) -> dict[str, tuple[str, str]]:
-    """Tensor name -> (WEIGHTS | ADAPTER, key) for each tensor `save_module` writes as is."""
-    placeholders = {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                    for n, t in module_tensors(module).items()}
-    owner = {id(t): n for n, t in placeholders.items()}
-    layout = {}
+def file_layout(module: nn.Module) -> dict[str, tuple[str, list[str]]]:
+    """Tensor name -> (WEIGHTS | ADAPTER, the keys it may be stored under) for each tensor `save_module` writes as
+    is; a tied tensor has one key per name it goes by (transformers keeps one of them in the file)."""
+    persistent = set(module.state_dict(keep_vars=True))
+    owner, placeholders = {}, {}
+    for name, t in module_tensors(module).items():
+        owner[id(t)] = name
+    every = list(module.named_parameters(remove_duplicate=False)) + [
+        (n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in persistent]
+    made = {}
+    for name, t in every:
+        if id(t) not in made:
+            made[id(t)] = (torch.empty(tuple(t.shape), dtype=t.dtype, device="meta"), owner[id(t)])
+        placeholders[name] = made[id(t)][0]
+    canonical = {id(ph): name for ph, name in made.values()}
+    layout: dict[str, tuple[str, list[str]]] = {}
     for key, t in transformers_save_keys(save_view(module), base_state_dict(placeholders)).items():
-        if id(t) in owner:
-            layout[owner[id(t)]] = (WEIGHTS, key)
+        if id(t) in canonical:
+            layout.setdefault(canonical[id(t)], (WEIGHTS, []))[1].append(key)
     if lora_config_of(module) is not None:
         for key, t in adapter_state_dict(module, placeholders).items():
-            if id(t) in owner:
-                layout[owner[id(t)]] = (ADAPTER, key)
+            if id(t) in canonical:
+                entry = layout.get(canonical[id(t)])
+                if entry is None or entry[0] != ADAPTER:
+                    entry = layout[canonical[id(t)]] = (ADAPTER, [])
+                entry[1].append(key)
     return layout
 
 
@@ -137,9 +159,10 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     for name, tensor in module_tensors(module).items():
         if name in skip:
             continue
-        kind, key = layout.get(name, (None, None))
+        kind, keys = layout.get(name, (None, ()))
         source = adapter if kind == ADAPTER else weights
-        if key is None or source is None or key not in source:
+        key = next((k for k in keys if source is not None and k in source), None)
+        if key is None:
             missing.append(name)
             continue
         shape, dtype = source.info(key)
@@ -181,10 +204,11 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
     """Allocate `module`'s meta tensors on `device` (only the local shards of sharded ones) and read them from the
     HF folder `folder`; returns the names it lacks (initialised by the module instead, with a warning, as
     `from_pretrained` does)."""
-    buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
-    module.to_empty(device=device)
-    for name, buf in module.named_buffers():
-        buf.copy_(buffers[name])  # computed buffers (rotary tables); persistent ones are read below
+    materialize(module, device)  # tied parameters stay one parameter
+    for owner in module.modules():  # computed buffers (rotary tables) move; persistent ones are read below
+        for attr, buf in owner._buffers.items():
+            if buf is not None and buf.device != device:
+                owner._buffers[attr] = buf.to(device)
     missing = read_into(module, folder, module_name=module_name)
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from digits import Captioner, build_model, load_splits  # noqa: E402
 
-from hf_omni import OmniTrainingArguments  # noqa: E402
+from hf_omni import OmniTrainingArguments, register_module_class  # noqa: E402
 
 
 def tiny_model(seed: int = 0, vision_dropout: float = 0.0) -> Captioner:
@@ -96,6 +96,7 @@ def assert_state_close(a: dict, b: dict, atol: float):
         assert diff <= atol, f"{key}: max |diff| {diff} > {atol}"
 
 
+@register_module_class
 class VisionTower(__import__("transformers").ViTModel):
     """A ViT with the `get_image_features` method VLM towers have (called instead of `forward`)."""
 

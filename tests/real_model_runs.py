@@ -32,30 +32,48 @@ MATRIX = {
     "bf16_files_in_fp32": ("llama", torch.bfloat16, False,
                            dict(vit="frozen", resnet="frozen", bert="lora", clip="frozen", siglip="full",
                                 projector="full", llm="full")),
+    # tied embeddings (Gemma; Llama with tie_word_embeddings; T5's shared), classes deep inside transformers
+    "tied_fp32": ("gemma", None, False,
+                  dict(t5="lora_emb", whisper="full", qwen2vl="dora", projector="full", llm="lora_emb")),
+    "tied_fp32_empty_init": ("gemma", torch.float32, True,
+                             dict(t5="full", whisper="frozen", qwen2vl="full", projector="full", llm="full")),
+    "tied_bf16_empty_init": ("llama_tied", torch.bfloat16, True,
+                             dict(t5="to_save", whisper="lora", qwen2vl="frozen", projector="full", llm="dora")),
 }
 LOAD_DTYPE = {"bf16_files_in_fp32": torch.float32}
-ENCODER_NAMES = ["vit", "resnet", "bert", "clip", "siglip"]
 
 
-def saved_folder(root: str, llm: str, dtype: torch.dtype) -> str:
-    """The initial model written once as module folders in `dtype` (released weights, as users bring them)."""
-    folder = os.path.join(root, f"saved_{llm}_{str(dtype).split('.')[-1]}")
-    if not os.path.isdir(folder):
-        model = build(ENCODER_NAMES, llm=llm)
+def encoders_of(case: str) -> list[str]:
+    return [n for n in MATRIX[case][3] if n not in ("projector", "llm")]
+
+
+def saved_folder(root: str, llm: str, dtype: torch.dtype, encoders: list[str]) -> str:
+    """The initial model written once as module folders in `dtype` (released weights, as users bring them); every
+    rank calls it."""
+    import torch.distributed as dist
+
+    folder = os.path.join(root, f"saved_{'_'.join(encoders)}_{llm}_{str(dtype).split('.')[-1]}")
+    distributed = dist.is_available() and dist.is_initialized()
+    if not os.path.isdir(folder) and (not distributed or dist.get_rank() == 0):  # written once, by rank 0
+        model = build(encoders, llm=llm)
         for module in model.omni_modules().values():
             module.to(dtype)
         model.save_pretrained(folder)
+    if distributed:
+        dist.barrier()
     return folder
 
 
 def make_model(root: str, case: str, seed: int = 0):
     llm, dtype, empty_init, _ = MATRIX[case]
     if dtype is None:
-        model = build(ENCODER_NAMES, llm=llm, seed=seed)
-        model.siglip.to(torch.bfloat16)  # a frozen (or trained) encoder in another dtype than the rest
+        model = build(encoders_of(case), llm=llm, seed=seed)
+        if "siglip" in model.module_names:
+            model.siglip.to(torch.bfloat16)  # a frozen (or trained) encoder in another dtype than the rest
         return model
     extra = {"dtype": LOAD_DTYPE[case]} if case in LOAD_DTYPE else {}
-    model = MultiEncoder.from_pretrained(saved_folder(root, llm, dtype), empty_init=empty_init, **extra)
+    model = MultiEncoder.from_pretrained(saved_folder(root, llm, dtype, encoders_of(case)), empty_init=empty_init,
+                                         **extra)
     assert all(p.dtype == LOAD_DTYPE.get(case, dtype) for p in model.parameters() if p.is_floating_point())
     if seed:  # other initial weights for the resumed run (empty_init modules are filled from the checkpoint)
         torch.manual_seed(seed)

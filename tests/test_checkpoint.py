@@ -225,11 +225,13 @@ def test_resave_removes_the_old_marker_first(tmp_path):
     assert seen == {"before": False} and (tmp_path / "checkpoint-5" / MARKER).exists()
 
 
-def test_load_best_model_at_end_restores_every_module(tmp_path):
-    """The best checkpoint (here the one with the highest eval loss, so not the last) is read back per module."""
+@pytest.mark.parametrize("save_only_model", [False, True])
+def test_load_best_model_at_end_restores_every_module(tmp_path, save_only_model):
+    """The best checkpoint (here the one with the highest eval loss, so not the last) is read back per module, also
+    from weights-only checkpoints (`save_only_model`), as Trainer does."""
     trainer, model = run(tmp_path, steps=10, eval_strategy="steps", eval_steps=5, load_best_model_at_end=True,
                          metric_for_best_model="eval_loss", greater_is_better=True,
-                         per_device_eval_batch_size=8)
+                         per_device_eval_batch_size=8, save_only_model=save_only_model)
     best = trainer.state.best_model_checkpoint
     assert best is not None and best.endswith("checkpoint-5"), best
     expected = Captioner.from_pretrained(best).state_dict()

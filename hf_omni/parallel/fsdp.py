@@ -21,6 +21,7 @@ from torch import nn
 from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root
 from ..errors import OmniArgumentError
 from ..module_arguments import FsdpSettings
+from ..module_classes import embeddings_of
 
 MODEL_SCOPE = "(model)"  # the key of the one plugin under `fsdp_scope: model`
 FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
@@ -93,17 +94,6 @@ def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
         raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None
 
 
-def _embeddings(module: nn.Module):
-    """(input, output) embeddings where the module defines them (a composed model does not)."""
-    found = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            found.append(getattr(module, getter)())
-        except (AttributeError, NotImplementedError):
-            found.append(None)
-    return found
-
-
 def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True,
           mesh=None) -> nn.Module:
     """Apply `plugin` to `module` in place with `fully_shard` on `mesh` (1-D: full shard; 2-D: HSDP; default: all
@@ -129,10 +119,13 @@ def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
         for sub in get_module_children_bottom_up(module)[:-1]:
             if policy(sub) and not isinstance(sub, FSDPModule):
                 fully_shard(sub, **kwargs)
-    embed, out_embed = _embeddings(module)
-    tied = embed is not None and out_embed is not None and embed.weight is out_embed.weight
+    embed = embeddings_of(module)
+    grouped: dict[int, int] = {}  # module -> the first module of its unit, for units of several modules
     if embed is not None and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
-        fully_shard([embed, out_embed] if tied else embed, **kwargs)  # tied weights: one unit for both
+        holders = holders_of(module, embed)  # tied weights (lm_head, T5's shared): one unit for all their holders
+        fully_shard(holders, **kwargs)
+        grouped.update((id(h), id(holders[0])) for h in holders)
+    check_ties_within_units(module, name, grouped)
     fully_shard(module, **kwargs)
     if lazy_init:
         fsdp_lazy_init_root(module)
@@ -140,6 +133,40 @@ def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
         if callable(getattr(module, method, None)):
             register_fsdp_forward_method(module, method)
     return module
+
+
+def holders_of(module: nn.Module, sub: nn.Module) -> list[nn.Module]:
+    """`sub` and every other submodule of `module` (not yet in an FSDP unit) holding one of its parameters."""
+    params = {id(p) for p in sub.parameters()}
+    out = [sub]
+    for other in module.modules():
+        if other is not sub and other not in out and not is_sharded(other) and any(
+                id(p) in params for p in other._parameters.values() if p is not None):
+            out.append(other)
+    return out
+
+
+def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int]) -> None:
+    """A parameter held by several submodules (tied weights) must lie in one FSDP unit, or two units would each
+    shard it: refused, naming both holders, before anything is sharded further. `grouped`: the modules sharded
+    together as one unit (module id -> its unit's first module id)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    named = dict(module.named_modules())
+    units = {prefix: grouped.get(id(sub), id(sub)) for prefix, sub in named.items() if isinstance(sub, FSDPModule)}
+    holders: dict[int, tuple[str, object]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        inside = max((u for u in units if prefix == u or prefix.startswith(u + ".")), key=len, default=None)
+        unit = units[inside] if inside is not None else None
+        for attr, param in sub._parameters.items():
+            if param is None:
+                continue
+            tensor = f"{prefix}.{attr}" if prefix else attr
+            first = holders.setdefault(id(param), (tensor, unit))
+            if first[1] != unit:
+                raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", (
+                    f"{first[0]} and {tensor} are one tied parameter, but would lie in two FSDP units: wrap a layer "
+                    "class that holds both, or untie them"))
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool) -> None:
