@@ -21,8 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from digits import build_model  # noqa: E402
+from hf_omni.testing.digits import build_model
 
 ROUNDS = 3
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3}, "llm": {"learning_rate": 1e-3}}
@@ -66,8 +65,8 @@ def writer_rates(optimizer, model, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 
-    from hf_omni.module_state import optimizer_state
-    from hf_omni.shard_writer import ShardWriter
+    from hf_omni.checkpoint.module_state import optimizer_state
+    from hf_omni.checkpoint.shard_writer import ShardWriter
 
     state = {"optimizer": {"state": optimizer_state(model.llm, optimizer.optimizers["llm"], root)[0]}}
     size = sum(t.numel() * t.element_size() for s in state["optimizer"]["state"].values() for t in s.values())
@@ -116,7 +115,7 @@ def accelerate_setup():
 
 
 def main(root: str):
-    from hf_omni.checkpoint_files import marker_info
+    from hf_omni.checkpoint.files import marker_info
 
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)

@@ -20,9 +20,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-sys.path.insert(0, HERE)
-from timing import StepTimer  # noqa: E402
+from timing import StepTimer
 
 WARMUP, MEASURED, ROUNDS, BATCH = 5, 40, 3, 64
 BIG = dict(hidden=64, layers=2, llm_hidden=768, llm_layers=16)  # the LLM: ~151M parameters
@@ -44,8 +42,8 @@ def launch(*args: str, env: dict | None = None) -> str:
 # -- 1. step time ---------------------------------------------------------------------------------
 
 def run_omni(train_set, steps):
-    from digits import build_model
     from hf_omni import OmniTrainer, OmniTrainingArguments
+    from hf_omni.testing.digits import build_model
 
     timer = StepTimer()
     args = OmniTrainingArguments(
@@ -60,11 +58,12 @@ def run_by_hand(train_set, steps):
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
-    from digits import build_model
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from hf_omni.testing.digits import build_model
 
     accelerator = Accelerator(cpu=True)
     model = build_model()
@@ -108,7 +107,8 @@ def run_by_hand(train_set, steps):
 
 def step_time_worker():
     import torch.distributed as dist
-    from digits import build_tokenizer, load_splits
+
+    from hf_omni.testing.digits import build_tokenizer, load_splits
 
     train_set, _ = load_splits(build_tokenizer())
     times = {"omni": [], "by_hand": []}
@@ -124,7 +124,7 @@ def step_time_worker():
 
 # -- 2. memory ------------------------------------------------------------------------------------
 def save_big_model():
-    from digits import build_model
+    from hf_omni.testing.digits import build_model
 
     if not os.path.isfile(os.path.join(BIG_DIR, "config.json")):
         build_model(**BIG).save_pretrained(BIG_DIR)
@@ -133,10 +133,10 @@ def save_big_model():
 def memory_worker(variant: str):
     import torch
     import torch.distributed as dist
-    from digits import Captioner, build_tokenizer, load_splits
     from transformers import Trainer, TrainingArguments
 
     from hf_omni import OmniTrainer, OmniTrainingArguments
+    from hf_omni.testing.digits import Captioner, build_tokenizer, load_splits
 
     train_set, _ = load_splits(build_tokenizer())
     common = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-4, optim="adamw_torch",

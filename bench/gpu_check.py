@@ -21,10 +21,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from digits import build_model, load_splits  # noqa: E402
-
-from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
+from hf_omni import OmniTrainer, OmniTrainingArguments
+from hf_omni.testing.digits import build_model, load_splits
 
 STEPS, BATCH, TOLERANCE = 12, 32, 0.03
 MODULES = {
@@ -94,7 +92,7 @@ def main():
         shutil.rmtree(run_dir, ignore_errors=True)
     trainer, losses, seconds = train(model, train_set, cuda, MODULES, output_dir=run_dir, save_strategy="steps",
                                      save_steps=STEPS // 2, save_async=True)
-    from hf_omni.checkpoint_files import complete_checkpoints
+    from hf_omni.checkpoint.files import complete_checkpoints
 
     async_saves = [os.path.basename(p) for p in complete_checkpoints(run_dir)]
     fp16 = None

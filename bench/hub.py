@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -21,11 +20,9 @@ import huggingface_hub
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from digits import build_model, load_splits  # noqa: E402
-
-from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
-from hf_omni.testing import LoopbackHub  # noqa: E402
+from hf_omni import OmniTrainer, OmniTrainingArguments
+from hf_omni.testing import LoopbackHub
+from hf_omni.testing.digits import build_model, load_splits
 
 ROUNDS, STEPS, SAVE_EVERY = 3, 13, 4  # saves at 4, 8, 12, each followed by a step
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3}, "llm": {"learning_rate": 1e-3}}

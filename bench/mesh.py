@@ -34,8 +34,6 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-sys.path.insert(0, HERE)
 
 WORLD, NODE = 4, 2  # ranks, ranks per "node"
 WARMUP, STEPS, BATCH = 5, 30, 4
@@ -150,13 +148,13 @@ def worker(layout: str):
     traffic = Traffic()
     traffic.install()  # before anything binds a collective by name
     import torch.distributed as dist
-    from digits import build_model, build_tokenizer, load_splits
     from timing import StepTimer
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.fsdp import FSDPModule
     from transformers import TrainerCallback
 
     from hf_omni import OmniTrainer, OmniTrainingArguments
+    from hf_omni.testing.digits import build_model, build_tokenizer, load_splits
 
     modules = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                "llm": {"learning_rate": 1e-3, **LAYOUTS[layout]}}

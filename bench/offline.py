@@ -26,7 +26,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 ROOT = "/tmp/hf_omni_bench/offline"
 STEPS, BATCH = 40, 64
 # encode_rows: the rows timed for encode throughput (all of the demo's; 6 batches of the heavy encoder's)
@@ -41,8 +40,9 @@ def child(layout: str, mode: str) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from digits import Captioner, load_splits
-    from hf_omni import OmniTrainer, OmniTrainingArguments, offline_cache
+    from hf_omni import OmniTrainer, OmniTrainingArguments
+    from hf_omni.offline import cache as offline_cache
+    from hf_omni.testing.digits import Captioner, load_splits
 
     torch.set_num_threads(2)
     export = os.path.join(ROOT, layout.replace(" ", "_"), "export")
@@ -93,7 +93,7 @@ def child(layout: str, mode: str) -> dict:
         Captioner.encode_image = encode_image
         from transformers import default_data_collator
 
-        from hf_omni.offline import offline_encoders
+        from hf_omni.offline.encoder import offline_encoders
 
         rows = torch.utils.data.Subset(train_set, range(min(len(train_set), LAYOUTS[layout]["encode_rows"])))
         plain, encode = [], []
@@ -110,7 +110,7 @@ def child(layout: str, mode: str) -> dict:
         result.update(plain_forward_s=statistics.median(plain), encode_s=statistics.median(encode),
                       encoded_rows=len(rows))
     result["encoder_mb"] = sum(p.numel() * p.element_size() for p in
-                               __import__("digits").build_model(**dims(layout)).vision.parameters()) / 2**20
+                               __import__("hf_omni.testing.digits", fromlist=["x"]).build_model(**dims(layout)).vision.parameters()) / 2**20
     return result
 
 
@@ -127,7 +127,7 @@ def run(layout: str, mode: str) -> dict:
 
 
 def main():
-    from digits import build_model
+    from hf_omni.testing.digits import build_model
 
     shutil.rmtree(ROOT, ignore_errors=True)
     rows = []

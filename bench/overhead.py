@@ -19,9 +19,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, HERE)
-from timing import StepTimer  # noqa: E402
+from timing import StepTimer
 
 WARMUP, MEASURED, ROUNDS, BATCH = 10, 60, 5, 64
 LRS = {"vision": 1e-3, "projector": 3e-3, "llm": 1e-3}
@@ -45,8 +43,8 @@ def _args(output_dir, **kw):
 
 
 def run_omni(train_set):
-    from digits import build_model
     from hf_omni import OmniTrainer
+    from hf_omni.testing.digits import build_model
 
     timer = StepTimer()
     model = build_model()
@@ -59,8 +57,9 @@ def run_omni(train_set):
 
 def run_trainer(train_set):
     import torch
-    from digits import build_model
     from transformers import Trainer, TrainingArguments
+
+    from hf_omni.testing.digits import build_model
 
     timer = StepTimer()
     model = build_model()
@@ -79,9 +78,10 @@ def run_trainer(train_set):
 def run_reference(train_set):
     import torch
     from accelerate import Accelerator
-    from digits import build_model
     from torch.distributed._composable.replicate import replicate
     from transformers import get_scheduler
+
+    from hf_omni.testing.digits import build_model
 
     accelerator = Accelerator(cpu=True)
     model = build_model()
@@ -120,7 +120,8 @@ def run_reference(train_set):
 
 def worker():
     import torch.distributed as dist
-    from digits import build_tokenizer, load_splits
+
+    from hf_omni.testing.digits import build_tokenizer, load_splits
 
     train_set, _ = load_splits(build_tokenizer())
     runs = {"omni": run_omni, "reference": run_reference, "trainer": run_trainer}

@@ -5,14 +5,10 @@
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from digits import Captioner, load_splits  # noqa: E402
+from hf_omni.testing.digits import Captioner, load_splits
 
 
 @torch.no_grad()

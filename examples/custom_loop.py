@@ -8,16 +8,12 @@ per-module clipping, every module's optimizer and scheduler.
 """
 
 import contextlib
-import os
-import sys
 
 import torch
 from accelerate import Accelerator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from digits import build_model, caption_accuracy, load_splits  # noqa: E402
-
-from hf_omni import OmniPlugin  # noqa: E402
+from hf_omni import OmniPlugin
+from hf_omni.testing.digits import build_model, caption_accuracy, load_splits
 
 STEPS, ACCUMULATION, BATCH = 300, 2, 32
 

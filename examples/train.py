@@ -9,17 +9,14 @@ Prints held-out caption accuracy and writes the per-module export (<output_dir>/
 <output_dir>/{vision,projector,llm}/, each loadable alone with its Auto class).
 """
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transformers import HfArgumentParser, set_seed
 
-from transformers import HfArgumentParser, set_seed  # noqa: E402
-
-from digits import Captioner, build_model, caption_accuracy, load_splits  # noqa: E402
-from hf_omni import OmniTrainer, OmniTrainingArguments  # noqa: E402
+from hf_omni import OmniTrainer, OmniTrainingArguments
+from hf_omni.testing.digits import Captioner, build_model, caption_accuracy, load_splits
 
 
 @dataclass

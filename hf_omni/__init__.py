@@ -5,16 +5,16 @@ A composed model (`OmniModel`) of named HF sub-models, per-module training setti
 `transformers.Trainer` over it (`OmniTrainer`).
 """
 
-from .arguments import OmniTrainingArguments
-from .errors import OmniArgumentError
-from .module_arguments import ModuleArguments
+from .arguments.module import ModuleArguments
+from .arguments.training import OmniTrainingArguments
 from .config import OmniConfig
+from .errors import OmniArgumentError
 from .modeling import OmniModel
-from .module_classes import register_module_class
-from .offline import offline_encoder
+from .modules.classes import register_module_class
+from .modules.projector import Projector, ProjectorConfig
+from .offline.encoder import offline_encoder
 from .plugin import OmniPlugin
-from .projector import Projector, ProjectorConfig
-from .trainer import OmniTrainer
+from .trainer.trainer import OmniTrainer
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@ no process group). Trainable modules come from the checkpoint, frozen ones from 
 result is what `save_model()` writes, ready for `from_pretrained` or upload.
 
 `hf-omni push CHECKPOINT_OR_EXPORT REPO_ID [--hub-layout single] [--private] [--revision BRANCH]`: module repos
-plus the composition repo (see `hub_push`); the token comes from `HF_TOKEN` or `hf auth login`, never the
+plus the composition repo (see `hub.push`); the token comes from `HF_TOKEN` or `hf auth login`, never the
 command line.
 
 `hf-omni encode SCRIPT CONFIG [...]`: the training script's offline caches only (`offline_modules`); under
@@ -15,11 +15,13 @@ import argparse
 import os
 import shutil
 
-from . import checkpoint_files as files
-from .checkpoint_files import check_complete
+from .checkpoint import files as files
+from .checkpoint.files import check_complete
+from .checkpoint.module_state import STATE
 from .config import OmniConfig, module_folder
-from .module_io import copy_module_folder
-from .module_state import STATE
+from .hub.ids import LAYOUTS
+from .modules.folder import copy_module_folder
+from .offline.serve import ENCODE_ONLY
 from .progress import each
 
 
@@ -32,7 +34,7 @@ def export(checkpoint: str, out: str) -> None:
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
     for name, folder in each(folders.items(), f"exporting {checkpoint}"):
-        copy_module_folder(folder, os.path.join(partial, config.module_entry(name)["subfolder"]))
+        copy_module_folder(folder, os.path.join(partial, config.module_entry(name).subfolder))
     config.save_pretrained(partial)
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
@@ -41,16 +43,13 @@ def export(checkpoint: str, out: str) -> None:
 
 def push(folder: str, repo_id: str, hub_layout: str, private: bool, revision: str | None) -> dict[str, str]:
     """Push an export, or a complete checkpoint (its sha256s checked when it recorded them)."""
-    from .hub_push import push_saved
+    from .hub.push import push_saved
 
     if os.path.exists(os.path.join(folder, files.MARKER)):
         check_complete(folder, verify=None)
     elif any(os.path.isdir(os.path.join(folder, n, STATE)) for n in os.listdir(folder)):
         raise ValueError(f"{folder} is a checkpoint without its completion marker (a save cut short): not pushed")
     return push_saved(folder, repo_id, layout=hub_layout, private=private or None, revision=revision)
-
-
-ENCODE_ONLY = "HF_OMNI_ENCODE_ONLY"  # set by `hf-omni encode`: OmniTrainer.train() encodes, then the run ends
 
 
 def encode(script: str, script_args: list[str]) -> None:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     push_parser = commands.add_parser("push", help="push an export or checkpoint: module repos + composition repo")
     push_parser.add_argument("folder")
     push_parser.add_argument("repo_id")
-    push_parser.add_argument("--hub-layout", default="per_module", choices=("per_module", "single"))
+    push_parser.add_argument("--hub-layout", default="per_module", choices=LAYOUTS)
     push_parser.add_argument("--private", action="store_true", help="create missing repos private")
     push_parser.add_argument("--revision", default=None, help="the branch to push to (created from main)")
     encode_parser = commands.add_parser("encode", help="only build the offline caches of a training run: "

@@ -1,4 +1,5 @@
-"""Every private API of torch / transformers / accelerate / peft that hf_omni touches, each behind a named function.
+"""Every private API of torch / transformers / accelerate / peft that hf_omni touches, each behind a named function
+(Trainer's methods and attributes that OmniTrainer relies on are checked in `trainer.hooks` instead).
 
 These internals change between minor releases. `PRIVATE_SYMBOLS` lists each one (library, dotted path);
 `tests/test_compat.py` checks every entry against the installed versions and fails naming the library and
@@ -18,16 +19,14 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init"),
     ("torch", "torch.distributed._composable.replicate.replicate"),
     ("torch", "torch.distributed._composable.replicate.DDP"),
+    ("torch", "torch.autograd.Variable._execution_engine"),
     ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
     ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
     ("transformers", "transformers.PreTrainedModel._init_weights"),
     ("transformers", "transformers.PreTrainedModel._get_dtype_plan"),
     ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),
     ("transformers", "transformers.Trainer.get_decay_parameter_names"),
-    ("transformers", "transformers.Trainer._get_output_dir"),
-    ("transformers", "transformers.Trainer._save_rng_state"),
-    ("transformers", "transformers.Trainer._load_rng_state"),
-    ("transformers", "transformers.Trainer._move_model_to_device"),
+    ("torch", "torch.distributed.checkpoint._hf_utils.DCP_SHARDING_INFO_KEY"),
     ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
     ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
 ]
@@ -69,6 +68,13 @@ def missing_symbols() -> list[str]:
 
 
 # -- torch ----------------------------------------------------------------------------------------------
+def own_tensors(module: nn.Module, parameters: bool = True, buffers: bool = True) -> list[tuple[dict, str, object]]:
+    """The parameters and buffers a module holds itself (not its children's), each with the table it sits in so it
+    can be replaced where it is: `nn.Module._parameters` / `_buffers`, what `named_parameters` walks."""
+    tables = ((module._parameters,) if parameters else ()) + ((module._buffers,) if buffers else ())
+    return [(table, attr, tensor) for table in tables for attr, tensor in list(table.items()) if tensor is not None]
+
+
 def fsdp_lazy_init_root(module: nn.Module) -> None:
     """Initialise a `fully_shard`-ed module's FSDP state from its root now, so that a unit called before the root
     (the input embeddings, from the composed forward) does not claim to be a root itself."""
@@ -84,6 +90,24 @@ def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: di
     replicate(module, **kwargs)
     replicate.state(module).lazy_init()
     return module
+
+
+def queue_backward_callback(callback) -> None:
+    """Run `callback` once the current backward pass has finished (autograd's engine queue)."""
+    resolve("torch.autograd.Variable._execution_engine").queue_callback(callback)
+
+
+def dcp_sharding_info_key() -> str:
+    """The safetensors header field DCP's HuggingFaceStorageReader reads each shard's offsets from."""
+    return resolve("torch.distributed.checkpoint._hf_utils.DCP_SHARDING_INFO_KEY")
+
+
+def dcp_shard_index(plan) -> int:
+    """The number HuggingFaceStorageWriter gives this rank's files (`save_distributed`: one per rank, from 1)."""
+    if "shard_index" not in (plan.storage_data or {}):
+        raise MissingInternalError("hf_omni relies on torch's HuggingFaceStorageWriter putting `shard_index` in each "
+                                   "rank's plan (save_distributed), which the installed torch does not")
+    return plan.storage_data["shard_index"]
 
 
 def in_place_wrapper_classes() -> tuple[type, ...]:
@@ -108,6 +132,19 @@ def registered_auto_classes() -> list[type]:
     return found
 
 
+def no_split_modules(module: nn.Module) -> set[str]:
+    """The layer classes transformers keeps whole (`_no_split_modules` of every model inside `module`), those present
+    in it: FSDP's default wrap units."""
+    from transformers import PreTrainedModel
+
+    present = {type(m).__name__ for m in module.modules()}
+    names = set()
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel):
+            names.update(getattr(sub, "_no_split_modules", None) or [])
+    return names & present
+
+
 def transformers_save_keys(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` under the keys transformers' `save_pretrained` writes it (its save-time key conversion: ViT's
     `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`; MoE experts merged on load
@@ -120,6 +157,11 @@ def keep_in_fp32_plan(module: nn.Module, dtype: torch.dtype) -> list[str]:
     `_keep_in_fp32_modules` / `_keep_in_fp32_modules_strict`)."""
     resolve("transformers.PreTrainedModel._get_dtype_plan")
     return [pattern for pattern, kept in module._get_dtype_plan(dtype).items() if kept == torch.float32]
+
+
+def config_commit_hash(config) -> str | None:
+    """The Hub commit transformers recorded a config was loaded at (`_commit_hash`), where it still records one."""
+    return getattr(config, "_commit_hash", None)
 
 
 def init_weights(module: nn.Module, sub: nn.Module) -> None:

@@ -22,28 +22,30 @@ scaled by world size x accumulation steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from .config import OmniConfig, module_folder
-from .empty_init import build_empty
-from .module_io import (
-    PROCESSOR_KINDS, copy_module_folder, has_adapter, load_adapter, load_processor, merged_module,
-    original_class, processor_kind, save_module,
+from .config import ModuleEntry, OmniConfig, module_folder
+from .hub.download import download_composition, hub_origin, linked_folders
+from .hub.ids import is_hub_id
+from .modules.classes import (
+    class_record, embeddings_of, is_token_embedding, original_class, per_module, resolve_module_class,
 )
-from .hub_download import download_composition, hub_origin, is_hub_id, linked_folders
-from .module_classes import class_record, embeddings_of, is_token_embedding, per_module, resolve_module_class
-from .missing_modality import keep_in_graph, before_forward
-from .offline import is_released
-from .parallel import full_state_dict
+from .modules.folder import (
+    PROCESSOR_KINDS, copy_module_folder, load_module, load_processor, processor_kind, save_module,
+)
+from .modules.slot import ModuleSlot
+from .offline.missing_modality import before_forward, keep_in_graph
 from .progress import each
 
 
 class OmniModel(PreTrainedModel):
-    """A composed model. Modules are attributes; `config` is an `OmniConfig` recording them."""
+    """A composed model. Modules are attributes; `config` is an `OmniConfig` recording them; `slots[name]` is what
+    is kept about each (`modules.slot.ModuleSlot`)."""
 
     config_class = OmniConfig
     base_model_prefix = "omni"
@@ -54,7 +56,7 @@ class OmniModel(PreTrainedModel):
     def __init__(self, config: OmniConfig, modules: dict[str, PreTrainedModel] | None = None,
                  processors: dict[str, Any] | None = None):
         super().__init__(config)
-        modules = dict(modules or {})
+        modules, processors = dict(modules or {}), dict(processors or {})
         missing = [n for n in config.module_names if n not in modules]
         if missing:
             raise ValueError(f"OmniModel: modules {missing} are in the config but were not given")
@@ -62,12 +64,9 @@ class OmniModel(PreTrainedModel):
             if hasattr(type(self), name) or name in dict(self.named_children()):
                 raise ValueError(f"module {name!r}: the name clashes with an attribute of {type(self).__name__}")
             setattr(self, name, modules[name])
-        self.processors: dict[str, Any] = dict(processors or {})
+        self.slots = {e.name: ModuleSlot(e, modules[e.name], processors.get(e.name)) for e in config.modules}
         self._num_parameters: dict[bool, int] = {}
-        # empty_init: module -> folder its weights are read from when `OmniPlugin.prepare` fills it
-        self.pending_weights: dict[str, str] = {}
-        # set by `OmniPlugin.prepare`: how modules are wrapped (`parallel.driver.WrappedModules`)
-        self.prepared = None
+        self.prepared = None  # set by `OmniPlugin.prepare_modules`: `parallel.driver.Prepared`
         self.loss_type = "ForCausalLM" if self.label_shift else None
         self.register_forward_pre_hook(before_forward, with_kwargs=True)  # missing_modality.py: ranks
         self.register_forward_hook(keep_in_graph)  # whose batch lacks a module's input run it on a dummy
@@ -81,7 +80,8 @@ class OmniModel(PreTrainedModel):
         processors, sources = dict(processors or {}), dict(sources or {})
         for name, module in modules.items():
             if not isinstance(module, PreTrainedModel):
-                raise ValueError(f"module {name!r}: expected a transformers PreTrainedModel, got {type(module).__name__}")
+                raise ValueError(f"module {name!r}: expected a transformers PreTrainedModel, got "
+                                 f"{type(module).__name__}")
         for name in list(processors) + list(sources):
             if name not in modules:
                 raise ValueError(f"module {name!r} has a processor or source but is not a module: {list(modules)}")
@@ -91,17 +91,20 @@ class OmniModel(PreTrainedModel):
             path = getattr(module.config, "_name_or_path", "") or ""
             if source is None and path and os.path.isdir(path):
                 source = os.path.abspath(path)
-            entries.append({"name": name, "class": class_record(original_class(module), name), "subfolder": name,
-                            "source": source, **hub_origin(module)})
-        config = OmniConfig(modules=entries, omni_class=cls.__name__)
-        return cls(config, modules=modules, processors=processors)
+            entries.append(ModuleEntry(name, class_record(original_class(module), name), name, source,
+                                       **hub_origin(module)))
+        return cls(OmniConfig(modules=entries, omni_class=cls.__name__), modules=modules, processors=processors)
 
     @property
     def module_names(self) -> list[str]:
         return self.config.module_names
 
     def omni_modules(self) -> dict[str, nn.Module]:
-        return {name: getattr(self, name) for name in self.module_names}
+        return {name: slot.module for name, slot in self.slots.items()}
+
+    @property
+    def processors(self) -> dict[str, Any]:
+        return {name: slot.processor for name, slot in self.slots.items() if slot.processor is not None}
 
     def floating_point_ops(self, input_dict, exclude_embeddings: bool = True) -> int:
         """Trainer calls this every step: 6 x tokens x parameters, with the parameter count cached."""
@@ -127,10 +130,11 @@ class OmniModel(PreTrainedModel):
 
     # -- training-mode handling -----------------------------------------------------------------
     def train(self, mode: bool = True):
-        """Fully frozen modules stay in eval mode (their output is a pure function of their input)."""
+        """Once prepared, fully frozen modules stay in eval mode (their output is a pure function of their input)."""
         super().train(mode)
-        for name in self.prepared.frozen if self.prepared is not None else ():
-            getattr(self, name).eval()
+        for slot in self.slots.values() if self.prepared is not None else ():
+            if not slot.trains:
+                slot.module.eval()
         return self
 
     def no_sync(self):
@@ -148,35 +152,31 @@ class OmniModel(PreTrainedModel):
         save_directory = str(save_directory)
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
-        for name in each(self.module_names, f"exporting to {save_directory}"):
-            module = getattr(self, name)
-            folder = os.path.join(save_directory, self.config.module_entry(name)["subfolder"])
-            if is_released(module):  # offline: on the meta device, its files copied from its recorded source
-                source = self.config.module_entry(name).get("source")
+        for slot in each(list(self.slots.values()), f"exporting to {save_directory}"):
+            folder = os.path.join(save_directory, slot.entry.subfolder)
+            if slot.is_released:  # offline: on the meta device, its files copied from its recorded source
+                source = slot.entry.source
                 if not source or not os.path.isfile(os.path.join(source, "config.json")):
-                    raise ValueError(f"module {name!r} is on the meta device (offline) and has no source folder to "
-                                     f"export it from ({source!r})")
+                    raise ValueError(f"module {slot.name!r} is on the meta device (offline) and has no source folder "
+                                     f"to export it from ({source!r})")
                 if is_main_process:
                     copy_module_folder(source, folder)
                 continue
-            state = full_state_dict(module)
+            state = slot.full_state()
             if is_main_process:
-                save_module(module, folder, state, self.processors.get(name), merge_lora=merge_lora)
+                save_module(slot.module, folder, state, slot.processor, merge_lora=merge_lora)
         if is_main_process:
             self.write_config(save_directory)
 
     def write_config(self, directory: str) -> None:
         """The root `config.json`: module names in order, each one's original class, subfolder, source and
-        processor kind."""
+        processor kind; once a run prepared the model, whether each was trained."""
         entries = []
-        for name, module in self.omni_modules().items():
-            entry = dict(self.config.module_entry(name))
-            entry["class"] = class_record(original_class(module), name)
-            processor = self.processors.get(name)
-            entry["processor"] = processor_kind(processor) if processor is not None else None
-            if self.prepared is not None:  # a training run: was the module changed?
-                entry["trained"] = name not in self.prepared.frozen
-            entries.append(entry)
+        for slot in self.slots.values():
+            entries.append(dataclasses.replace(
+                slot.entry, cls=class_record(original_class(slot.module), slot.name),
+                processor=processor_kind(slot.processor) if slot.processor is not None else None,
+                trained=slot.trains if self.prepared is not None else slot.entry.trained))
         OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
 
     @classmethod
@@ -189,7 +189,7 @@ class OmniModel(PreTrainedModel):
         placed by transformers / Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`;
         LoRA modules keep their adapters unless `merge_lora=True` (merged by PEFT into plain weights).
         `empty_init=True` (training): modules are built on the meta device and remember their weights folder;
-        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.weights`)."""
+        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.modules.weights`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
@@ -202,45 +202,36 @@ class OmniModel(PreTrainedModel):
             config = OmniConfig.from_pretrained(root)
             folders = linked_folders(root, config, hub["token"], hub["cache_dir"])
         for entry in config.modules:  # unknown until a run prepares this model again (a push then verifies links)
-            entry["trained"] = None
+            entry.trained = None
         placement, dtypes = per_module(device_map, config, "device_map"), per_module(dtype, config, "dtype")
         if empty_init and (device_map is not None or dtype is not None or merge_lora):
             raise ValueError("from_pretrained: empty_init (training) takes no device_map, dtype or merge_lora")
-        modules, processors, pending = {}, {}, {}
+        modules, processors, folder_of = {}, {}, {}
         for entry in config.modules:
-            name = entry["name"]
-            folder = folders.get(name) or module_folder(root, config, name)
-            module_cls = resolve_module_class(entry["class"], name)
-            if empty_init:
-                module = build_empty(module_cls, folder)
-                pending[name] = folder
-            else:
-                extra = {k: v for k, v in (("device_map", placement[name]), ("dtype", dtypes[name])) if v is not None}
-                module = module_cls.from_pretrained(folder, **kwargs, **extra)
-                if has_adapter(folder):
-                    load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
-                    if merge_lora:
-                        device = next(module.parameters()).device
-                        module = merged_module(module, dict(module.state_dict())).to(device)
-            modules[name] = module
-            kind = entry.get("processor")
-            if kind in PROCESSOR_KINDS:
-                processors[name] = load_processor(folder, kind)
+            name = entry.name
+            folder_of[name] = folder = folders.get(name) or module_folder(root, config, name)
+            extra = {k: v for k, v in (("device_map", placement[name]), ("dtype", dtypes[name])) if v is not None}
+            modules[name] = load_module(resolve_module_class(entry.cls, name), folder, empty_init, merge_lora,
+                                        **kwargs, **extra)
+            if entry.processor in PROCESSOR_KINDS:
+                processors[name] = load_processor(folder, entry.processor)
         model = cls(config, modules=modules, processors=processors)
-        model.pending_weights = pending
+        if empty_init:
+            for name, slot in model.slots.items():
+                slot.pend(folder_of[name])
         return model if empty_init else model.eval()
 
     def push_to_hub(self, repo_id: str, *, hub_layout: str = "per_module", modules: dict | None = None,
                     token: str | None = None, private: bool | None = None, revision: str | None = None,
                     commit_message: str = "Upload with hf_omni", merge_lora: bool = False,
                     is_main_process: bool = True) -> dict[str, str] | None:
-        """Save to a temporary folder and push it (`hub_push.push_saved`): per-module repos plus the composition
+        """Save to a temporary folder and push it (`hub.push.push_saved`): per-module repos plus the composition
         repo `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub,
         hub_model_id}}`. With sharded modules every rank calls it; the main process pushes. Returns
         `{repo: commit}`."""
         import tempfile
 
-        from .hub_push import push_saved
+        from .hub.push import push_saved
 
         with tempfile.TemporaryDirectory(prefix="hf_omni_push_") as tmp:
             self.save_pretrained(tmp, is_main_process=is_main_process, merge_lora=merge_lora)

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments, get_scheduler
 from transformers.training_args import OptimizerNames
 
+from .arguments.module import ModuleArguments
 from .compat import decay_parameter_names
 from .errors import OmniArgumentError
-from .module_arguments import ModuleArguments
 
 
 def build_module_optimizer(module: nn.Module, margs: ModuleArguments, base_args: TrainingArguments):
@@ -50,19 +50,20 @@ def build_module_scheduler(optimizer, margs: ModuleArguments, num_training_steps
     )
 
 
-def build_optimizers(model: nn.Module, trainable: list[str], module_args: dict[str, ModuleArguments],
-                     base_args: TrainingArguments, num_training_steps: int | None, scaler=None):
-    """One optimizer and one scheduler per trainable module, behind the composites."""
+def build_optimizers(model, base_args: TrainingArguments, num_training_steps: int | None, scaler=None):
+    """One optimizer and one scheduler per trainable module (its slot's resolved arguments), behind the
+    composites."""
     optimizers, schedulers = {}, {}
+    trainable = [name for name, slot in model.slots.items() if slot.trains]
     for name in trainable:
-        margs = module_args[name]
-        optimizers[name] = build_module_optimizer(getattr(model, name), margs, base_args)
+        margs = model.slots[name].args
+        optimizers[name] = build_module_optimizer(model.slots[name].module, margs, base_args)
         try:
             schedulers[name] = build_module_scheduler(optimizers[name], margs, num_training_steps)
         except ValueError as err:
             raise OmniArgumentError(name, "lr_scheduler_type", f"{err} (pass num_training_steps to prepare)") from None
-    params = {name: [p for p in getattr(model, name).parameters() if p.requires_grad] for name in trainable}
-    return ModuleOptimizers(optimizers, params, scaler), ModuleSchedulers(schedulers)
+    modules = {name: model.slots[name].module for name in trainable}
+    return ModuleOptimizers(optimizers, modules, scaler), ModuleSchedulers(schedulers)
 
 
 def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -96,19 +97,19 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
 
 
 class ModuleOptimizers(torch.optim.Optimizer):
-    """Steps every module's optimizer; `state_dict()` is `{module: optimizer state}`; `params[module]`: the
-    parameters it trains, in module order (what clipping reads). With fp16 (`scaler`: the Accelerator's one
-    GradScaler, shared by every module): `unscale_()` each optimizer once before clipping, step each through the
+    """Steps every module's optimizer; `params[module]`: the parameters it trains, in module order (what clipping
+    reads). Stateful by module name: `state_dict()` is `{module: its optimizer's state}` in DCP's form (keyed by
+    parameter name, every rank its own shards of a sharded module), which a checkpoint writes as it is. With fp16
+    (`scaler`: the Accelerator's one GradScaler, shared by every module): `unscale_()` each optimizer once before clipping, step each through the
     scaler (all skip together on an inf / nan anywhere), then one `update()`.
 
     A `torch.optim.Optimizer` (its own constructor is not run: the modules' optimizers hold the parameters), so
     that `accelerator.prepare` wraps it as it wraps any optimizer and `accelerator.accumulate()` skips its `step` /
     `zero_grad` on the micro-steps that do not sync."""
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: dict[str, list[nn.Parameter]],
-                 scaler=None):
-        self.optimizers = dict(optimizers)
-        self.params = dict(params)
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], modules: dict[str, nn.Module], scaler=None):
+        self.optimizers, self.modules = dict(optimizers), dict(modules)
+        self.params = {name: [p for p in module.parameters() if p.requires_grad] for name, module in modules.items()}
         self.scaler = scaler
         self.unscaled = False
         self.before_step = None  # an async save in flight: wait until it copied the state this step changes
@@ -156,14 +157,39 @@ class ModuleOptimizers(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+        """`{module: state}`; an optimizer that never stepped stays as it was (torch's state-dict helper steps it
+        with a zero learning rate to make its state) and gives no state."""
+        out = {}
+        for name, opt in self.optimizers.items():
+            fresh = not opt.state
+            out[name] = self.templates([name])[name]
+            if fresh:
+                opt.state.clear()
+                out[name]["state"] = {}
+        return out
+
+    def templates(self, names=None) -> dict:
+        """`{module: state}` with every parameter's state made (a never-stepped optimizer is stepped with a zero
+        learning rate): the tensors, shaped as this rank holds them, that a load fills."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {name: get_optimizer_state_dict(self.modules[name], self.optimizers[name])
+                for name in names or self.optimizers}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """`state_dict()`'s form; parameters with no state in it (never stepped when saved) get none."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         if set(state_dict) != set(self.optimizers):
             raise ValueError(f"optimizer state is for modules {sorted(state_dict)}, "
                              f"but the trainable modules are {sorted(self.optimizers)}")
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(state_dict[name])
+            module, state = self.modules[name], state_dict[name]
+            params = {fqn: p for fqn, p in module.named_parameters() if p.requires_grad}
+            stateless = [fqn for fqn in params if fqn not in state["state"]]
+            set_optimizer_state_dict(module, opt, state, options=StateDictOptions(strict=not stateless))
+            for fqn in stateless:  # as in the saved run: no state until their first gradient
+                opt.state.pop(params[fqn], None)
 
     def __repr__(self) -> str:
         return f"ModuleOptimizers({', '.join(f'{n}: {type(o).__name__}' for n, o in self.optimizers.items())})"

@@ -22,23 +22,29 @@ import os
 import torch
 from torch import nn
 
-from .arguments import OmniTrainingArguments
-from .checkpoint import ModuleCheckpointer, resume_weights_folders
+from .arguments.module import ModuleArguments
+from .arguments.training import OmniTrainingArguments
+from .checkpoint.checkpointer import ModuleCheckpointer
+from .checkpoint.resume import resume_weights_folders
 from .dist import has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
-from .offline import check_offline_modules, serve_from_caches
-from .module_arguments import FsdpSettings, ModuleArguments
+from .modules.ownership import check_ownership
+from .offline.encoder import check_offline_modules
+from .offline.serve import serve_from_caches
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers, clip_grad_norms
-from .parallel.driver import WrappedModules, apply_training_modes, prepare_modules
+from .parallel.driver import Prepared, apply_training_modes, prepare_modules
+from .parallel.fsdp import MODEL_SCOPE
+from .parallel.fsdp_settings import FsdpSettings
 
 
 class OmniPlugin:
     """Per-module freezing / LoRA / wrapping / optimizer / scheduler / clipping / checkpoints for an `OmniModel`.
 
-    After `prepare`: `module_args[name]` (resolved settings), `fsdp_plugins[name]` (one Accelerate
-    `FullyShardedDataParallelPlugin` per FSDP-wrapped module; under `fsdp_scope: model` the one plugin of the
-    composed model, keyed `"(model)"`), `wrapped[name]` ("fsdp" | "ddp" | "none"), `trainable`,
+    What it decides about each module lives in the module's slot (`model.slots[name]`); after `prepare` these views
+    of the slots: `module_args[name]` (resolved settings), `trainable`, `wrapped[name]` ("fsdp" | "ddp" | "none" |
+    "offline"), `fsdp_plugins[name]` (one Accelerate `FullyShardedDataParallelPlugin` per FSDP-wrapped module;
+    under `fsdp_scope: model` the one plugin of the composed model, keyed `"(model)"`), `meshes[name]`; and
     `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's).
     """
 
@@ -58,16 +64,13 @@ class OmniPlugin:
         # where a frozen module built in memory is written once (frozen/<module>/): the Trainer's output_dir, or
         # the one given here; OmniPlugin(modules=..., defaults=...) without one has none
         self.output_dir = output_dir
-        self.module_args: dict[str, ModuleArguments] = {}
-        self.trainable: list[str] = []
         self.optimizer: ModuleOptimizers | None = None
         self.scheduler: ModuleSchedulers | None = None
         self.grad_norms: dict[str, torch.Tensor] = {}
-        self.model: OmniModel | None = None
-        self.wrapping = WrappedModules()
+        self.model: OmniModel | None = None  # the model `resolve` saw
+        self.prepared: Prepared | None = None
         self.checkpointer: ModuleCheckpointer | None = None
         self.scaler = None
-        self.offline: dict = {}  # module -> its OfflineEncoder (`offline_modules`)
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -81,33 +84,47 @@ class OmniPlugin:
     @property
     def modules_prepared(self) -> bool:
         """`prepare_modules` ran (by `prepare`, or by OmniTrainer's `evaluate()` before `train()`)."""
-        return self.model is not None
+        return self.prepared is not None
+
+    def _slots(self) -> dict:
+        return self.model.slots if self.model is not None else {}
+
+    @property
+    def module_args(self) -> dict[str, ModuleArguments]:
+        return {name: slot.args for name, slot in self._slots().items()}
+
+    @property
+    def trainable(self) -> list[str]:
+        return [name for name, slot in self._slots().items() if slot.trains]
+
+    @property
+    def offline(self) -> dict:
+        """Module -> its `@offline_encoder` spec (`offline_modules`)."""
+        return {name: slot.encoder for name, slot in self._slots().items() if slot.encoder is not None}
 
     @property
     def wrapped(self) -> dict[str, str]:
-        return self.wrapping.wrapped
+        return {name: slot.kind for name, slot in self._slots().items()}
+
+    @property
+    def fsdp_plugins(self) -> dict:
+        fsdp = [(name, slot.strategy) for name, slot in self._slots().items() if slot.kind == "fsdp"]
+        return {MODEL_SCOPE if s.module_name == MODEL_SCOPE else name: s.plugin for name, s in fsdp}
 
     @property
     def meshes(self) -> dict:
         """Module -> its `DeviceMesh` (`parallel: fsdp` modules; shared between modules of one shape)."""
-        return self.wrapping.meshes
-
-    @property
-    def fsdp_plugins(self) -> dict:
-        return self.wrapping.fsdp_plugins
+        fsdp = [(name, slot.strategy) for name, slot in self._slots().items() if slot.kind == "fsdp"]
+        return {MODEL_SCOPE if s.module_name == MODEL_SCOPE else name: s.mesh for name, s in fsdp if s.mesh}
 
     def resolve(self, model: nn.Module) -> dict[str, ModuleArguments]:
         """Resolve every module's settings against `model` (unknown / missing modules are errors)."""
         if not isinstance(model, OmniModel):
             raise TypeError(f"OmniPlugin prepares an OmniModel, got {type(model).__name__}")
-        owned = [n for n, _ in list(model.named_parameters()) + list(model.named_buffers())
-                 if n.split(".", 1)[0] not in model.module_names]
-        if owned:
-            raise ValueError(f"{type(model).__name__} owns tensors outside every module: {owned[:5]}. Checkpoints "
-                             "and exports have one folder per module and none for the composed model: put them in a "
-                             "module (a Projector, or a small PreTrainedModel) passed to from_modules")
-        check_one_owner(model)
-        self.module_args = self.args.resolve_modules(model.module_names)
+        check_ownership(model)
+        for name, margs in self.args.resolve_modules(model.module_names).items():
+            model.slots[name].args = margs
+        self.model = model
         if has_process_group() and self.args.fsdp_scope == "module":
             for name, margs in self.module_args.items():
                 if margs.trainable and margs.parallel == "none":
@@ -116,16 +133,16 @@ class OmniPlugin:
                                             "`ddp` or `fsdp`, or `trainable: false`")
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
-        self.offline = check_offline_modules(model, list(self.args.offline_modules or []), self.module_args)
+        check_offline_modules(model, list(self.args.offline_modules or []))
         return self.module_args
 
     def offline_datasets(self, model: OmniModel, datasets: dict, collator, batch_size: int, device) -> dict:
         """`offline_modules`: each dataset (split name -> map-style dataset) served from caches of the offline
         modules' outputs, encoded first where none is valid; then each offline module is released to the meta
-        device. Call before `prepare`. See `offline.serve_from_caches`."""
+        device. Call before `prepare`. See `offline.serve.serve_from_caches`."""
         cache_dir = self.args.offline_cache_dir or os.path.join(self.output_dir or ".", "offline_cache")
-        return serve_from_caches(model, self.offline, datasets, cache_dir, self.args.offline_cache, collator,
-                                 batch_size, device, self.output_dir)
+        return serve_from_caches(model, datasets, cache_dir, self.args.offline_cache, collator, batch_size, device,
+                                 self.output_dir)
 
     def prepare(self, accelerator, model: OmniModel, num_training_steps: int | None = None):
         """Freeze / LoRA / checkpoint / wrap each module in place (`prepare_modules`, unless done already), then
@@ -147,32 +164,26 @@ class OmniPlugin:
         if self.modules_prepared:
             raise RuntimeError("OmniPlugin.prepare_modules was already called; use one plugin per model")
         self.resolve(model)
-        self.trainable = apply_training_modes(model, self.module_args)
-        if not self.trainable:
+        if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
-        for name, margs in self.module_args.items():
-            margs.trainable = name in self.trainable
         model_fsdp = FsdpSettings.from_dict(None, dict(self.args.fsdp_plugin or {}))
-        self.wrapping = prepare_modules(accelerator, model, self.module_args, self.trainable,
-                                       fsdp_scope=self.args.fsdp_scope, model_fsdp=model_fsdp)
-        model.prepared = self.wrapping
-        self.model = model
-        self.checkpointer = ModuleCheckpointer(model, self.trainable, self.output_dir, self.args.save_async,
+        self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,
+                                                         model_fsdp=model_fsdp)
+        self.checkpointer = ModuleCheckpointer(model, self.output_dir, self.args.save_async,
                                                verify=self.args.verify_checkpoint,
                                                show_progress=not self.args.disable_tqdm)
         return model
 
     def build_optimizers(self, num_training_steps: int | None) -> None:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
-        self.optimizer, self.scheduler = build_optimizers(self.model, self.trainable, self.module_args, self.args,
-                                                          num_training_steps, self.scaler)
+        self.optimizer, self.scheduler = build_optimizers(self.model, self.args, num_training_steps, self.scaler)
         self.optimizer.before_step = self.checkpointer.fence
 
     # -- the training step ----------------------------------------------------------------------
     def no_sync(self):
         """Gradient accumulation: no gradient sync in any module inside this context."""
-        return self.wrapping.no_sync()
+        return self.prepared.no_sync()
 
     def clip_grad_norm_(self) -> torch.Tensor:
         """Clip per module (`grad_clip_scope: per_module`, each to its own `max_grad_norm`) or globally; returns the
@@ -223,19 +234,3 @@ class OmniPlugin:
         self.wait_for_save()
         self.checkpointer.load(directory, self.optimizer, self.scheduler, weights_loaded, weights_only)
 
-
-def check_one_owner(model: OmniModel) -> None:
-    """Every parameter and buffer belongs to one module: a tensor reachable from two would be stepped by two
-    optimizers, saved twice and sharded twice. Refused, naming both modules and the tensor."""
-    seen: dict[int, tuple[str, str]] = {}
-    for name in model.module_names:
-        module = getattr(model, name)
-        for tensor_name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
-                module.named_buffers(remove_duplicate=False)):
-            owner = seen.setdefault(id(tensor), (name, tensor_name))
-            if owner[0] != name:
-                raise ValueError(
-                    f"modules {owner[0]!r} and {name!r} share a tensor ({owner[1]} of {owner[0]!r}, {tensor_name} of "
-                    f"{name!r}): two optimizers would step it and two checkpoints hold it. A tensor belongs to one "
-                    "module: keep it in one and call that module from the other in forward (e.g. "
-                    f"self.{name}.get_input_embeddings()(ids))")

@@ -1,4 +1,6 @@
-"""The run the resume and kill tests share: 15 steps, a checkpoint every 5, keep 1, accumulation 2."""
+"""The runs the checkpoint tests share: `make_trainer` (kill points, failures: 15 steps, a checkpoint every 5, keep 1,
+accumulation 2) and `resume_trainer` (resume at 1 and 2 ranks: 10 steps, a checkpoint every 5, global batch 8, in the
+module layouts of `LAYOUTS`)."""
 
 from helpers import make_args, tiny_data, tiny_model
 
@@ -18,3 +20,17 @@ def make_trainer(out_dir, seed=0, callbacks=(), **overrides):
     args.update(overrides)
     return OmniTrainer(model=model, args=make_args(out_dir, **args), train_dataset=tiny_data(model, 48),
                        callbacks=list(callbacks))
+
+
+LAYOUTS = {
+    "replicated": MODULES,
+    "sharded": {**MODULES, "llm": {**MODULES["llm"], "parallel": "fsdp"}},
+    # async saves overlapping training: an FSDP llm beside a DDP projector, one background writer
+    "sharded_async": {**MODULES, "llm": {**MODULES["llm"], "parallel": "fsdp"}},
+}
+
+
+def resume_trainer(out_dir, layout, per_device, seed=0, callbacks=()):
+    return make_trainer(out_dir, seed, callbacks, max_steps=10, save_total_limit=None, gradient_accumulation_steps=1,
+                        modules=LAYOUTS[layout], per_device_train_batch_size=per_device,
+                        save_async=layout.endswith("_async"))

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 
 import torch
 from transformers import get_scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from digits import Captioner, build_model, load_splits  # noqa: E402
-
-from hf_omni import OmniTrainingArguments, register_module_class  # noqa: E402
+from hf_omni import OmniTrainingArguments, register_module_class
+from hf_omni.testing.digits import Captioner, build_model, load_splits
 
 
 def tiny_model(seed: int = 0, vision_dropout: float = 0.0) -> Captioner:
@@ -83,6 +80,27 @@ def reference_train(model, dataset, steps: int, batch_size: int, settings: dict,
             schedulers[name].step()
             optimizers[name].zero_grad()
     return losses
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer in full (sharded DTensors gathered; every rank calls it), on CPU; none of an
+    offline module's (on the meta device)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if value.is_meta:
+            continue
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[key] = value.detach().cpu().clone()
+    return out
+
+
+def scenario(modules, multi: dict, single: dict, common: dict, model: str = "tiny_model", atol: float = 1e-6,
+             **extra) -> dict:
+    """A run at several ranks ("multi") and at one ("single", the same global batch) of a multi-rank test; "model": a
+    builder's name, "atol": the tolerance of the comparison."""
+    return {"multi": dict(common, modules=modules, **multi, **extra),
+            "single": dict(common, modules=modules, **single, **extra), "model": model, "atol": atol}
 
 
 def clone(model):

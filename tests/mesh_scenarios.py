@@ -2,6 +2,8 @@
 each module full shard, HSDP 2x2 or replicated (DDP) in one model, with global and per-module clipping; the
 same global batch (2 per rank x 4, 8 at 1 rank)."""
 
+import helpers
+
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
 LLM = {"learning_rate": 1e-3, "parallel": "fsdp"}
 MIXED = {  # three meshes in one model: vision full shard over 4, projector HSDP 2x2, llm HSDP 2x2 (shared mesh)
@@ -21,8 +23,7 @@ MULTI, SINGLE = dict(per_device_train_batch_size=2), dict(per_device_train_batch
 
 
 def scenario(modules, model="tiny_model", atol=1e-5, **extra):
-    return {"multi": dict(COMMON, modules=modules, **MULTI, **extra),
-            "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
+    return helpers.scenario(modules, MULTI, SINGLE, COMMON, model, atol, **extra)
 
 
 # elastic resume: mixed_global_clip's checkpoint-2 (4 ranks; vision full shard, projector and llm HSDP 2x2) resumed
@@ -36,7 +37,6 @@ ELASTIC = dict(COMMON, modules={name: {k: v for k, v in margs.items() if k != "p
 
 def build(spec):
     """(model, train dataset, data collator or None) of a scenario."""
-    import helpers
     import mixed_modality
 
     if spec["model"] == "mixed_model":

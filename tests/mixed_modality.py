@@ -7,10 +7,10 @@ image at the very first step, nobody has one at step 2, only rank 1 at step 3, e
 """
 
 import torch
-
 from helpers import tiny_data, tiny_model
-from digits import Captioner
+
 from hf_omni import offline_encoder
+from hf_omni.testing.digits import Captioner
 
 SLOTS = 17  # ViT tokens per 8x8 image (16 patches of 2x2 + CLS)
 STEPS = [[False, False, True, True], [False, False, False, False], [False, True, False, False], [True] * 4]

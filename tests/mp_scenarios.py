@@ -3,7 +3,7 @@
 Each: "multi" (arguments at 2 ranks), "single" (at 1 rank, same global batch), optional "model" (a builder name
 from helpers), "atol" (tolerance of the comparison)."""
 
-import torch
+import helpers
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 BASE_MODULES = {
@@ -31,8 +31,7 @@ ACCUMULATE = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
 
 
 def scenario(modules, multi=MULTI, model="tiny_model", atol=1e-6, **extra):
-    return {"multi": dict(COMMON, modules=modules, **multi, **extra),
-            "single": dict(COMMON, modules=modules, **SINGLE, **extra), "model": model, "atol": atol}
+    return helpers.scenario(modules, multi, SINGLE, COMMON, model, atol, **extra)
 
 
 SCENARIOS = {
@@ -57,19 +56,6 @@ SCENARIOS = {
 # set in the 2-rank run's environment: hf_omni must ignore them and leave them as they are
 FSDP_ENV = {"FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaMLP",
             "FSDP_AUTO_WRAP_POLICY": "NO_WRAP", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
-
-
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer in full (sharded DTensors gathered), on CPU; none of an offline module's (on the
-    meta device)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        if value.is_meta:
-            continue
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        out[key] = value.detach().cpu().clone()
-    return out
 
 
 def sharding_facts(model) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
-from helpers import make_args
+from helpers import full_state, make_args
 from real_models import Batches, MultiEncoder, build, mode_overlay
 
 from hf_omni import OmniTrainer
@@ -84,7 +84,7 @@ def make_model(root: str, case: str, seed: int = 0):
     return model
 
 
-def make_trainer(root: str, case: str, out: str, seed: int = 0, modes: dict | None = None, **overrides):
+def case_trainer(root: str, case: str, out: str, seed: int = 0, modes: dict | None = None, **overrides):
     modes = modes or MATRIX[case][3]
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4,
                 modules={n: mode_overlay(n, m) for n, m in modes.items()}, train_sampling_strategy="random")
@@ -92,19 +92,11 @@ def make_trainer(root: str, case: str, out: str, seed: int = 0, modes: dict | No
     return OmniTrainer(model=make_model(root, case, seed), args=make_args(out, **args), train_dataset=Batches())
 
 
-def full_state(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, value in model.state_dict().items():
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        out[key] = value.detach().cpu().clone()
-    return out
-
-
 def straight_and_resumed(root: str, case: str, **overrides):
     """(trainer of the uninterrupted run, its final state, the resumed run's final state)."""
-    straight = make_trainer(root, case, os.path.join(root, case, "straight"), **overrides)
+    straight = case_trainer(root, case, os.path.join(root, case, "straight"), **overrides)
     straight.train()
-    resumed = make_trainer(root, case, os.path.join(root, case, "resumed"), seed=7, **overrides)
+    resumed = case_trainer(root, case, os.path.join(root, case, "resumed"), seed=7, **overrides)
     resumed.train(resume_from_checkpoint=os.path.join(root, case, "straight", "checkpoint-2"))
     return straight, full_state(straight.model), full_state(resumed.model)
 

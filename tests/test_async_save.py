@@ -7,7 +7,8 @@ from accelerate import Accelerator
 from real_models import Batches, build
 from torch.utils.data import DataLoader
 
-from hf_omni import OmniPlugin, save_pipeline
+from hf_omni import OmniPlugin
+from hf_omni.checkpoint import pipeline as save_pipeline
 
 MODULES = {"resnet": {"learning_rate": 1e-2}, "projector": {"learning_rate": 1e-2},
            "llm": {"learning_rate": 1e-2, "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"]}}}

@@ -9,7 +9,7 @@ from helpers import Captioner, assert_state_close, make_args, step_losses, tiny_
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
-from hf_omni.checkpoint_files import MARKER
+from hf_omni.checkpoint.files import MARKER
 from hf_omni.cli import export
 
 MODULES = {
@@ -84,7 +84,7 @@ def test_bad_resume_inputs_fail_before_anything(tmp_path):
 
 def test_resume_with_other_shapes_names_module_and_parameter(tmp_path):
     run(tmp_path)
-    from digits import build_model
+    from hf_omni.testing.digits import build_model
 
     wider = build_model(hidden=32, layers=1, llm_hidden=48, llm_layers=1)
     with pytest.raises(ValueError, match=r"module 'projector'.*layers\.0\.weight"):
@@ -102,7 +102,7 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path):
     # an incomplete newer checkpoint is neither counted nor removed, and never picked for resume
     partial = tmp_path / "checkpoint-20"
     partial.mkdir()
-    from hf_omni.checkpoint_files import newest_complete_checkpoint, rotate
+    from hf_omni.checkpoint.files import newest_complete_checkpoint, rotate
 
     assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-15")
     assert rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-10")) == []  # newest and best both stay
@@ -206,7 +206,7 @@ def test_export_command_line(tmp_path):
 
 def test_resave_removes_the_old_marker_first(tmp_path):
     """A save into a folder that already holds a complete checkpoint makes it incomplete until it finishes."""
-    from hf_omni import checkpoint_files as checkpoint
+    from hf_omni.checkpoint import files as checkpoint
 
     trainer, _ = run(tmp_path, steps=5)
     ckpt = str(tmp_path / "checkpoint-5")

@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import Captioner, make_args, tiny_data, tiny_model
 from transformers import (
-    DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config,
-    T5EncoderModel, ViTConfig, ViTModel,
+    DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config, T5EncoderModel,
+    ViTConfig, ViTModel,
 )
 
 from hf_omni import OmniModel, OmniPlugin, OmniTrainer, Projector, ProjectorConfig, register_module_class
-from hf_omni.module_classes import REGISTERED
+from hf_omni.modules.classes import REGISTERED
 
 
 class Single(OmniModel):
@@ -147,19 +147,17 @@ def test_module_classes_are_checked_at_composition(tmp_path):
     whisper = WhisperEncoder(WhisperConfig(num_mel_bins=8, d_model=16, encoder_layers=1, encoder_attention_heads=2,
                                            encoder_ffn_dim=16, max_source_positions=4, vocab_size=32))
     model = Single.from_modules({"main": whisper, "projector": projector})
-    assert model.config.module_entry("main")["class"] == "transformers.models.whisper.modeling_whisper.WhisperEncoder"
+    assert model.config.module_entry("main").cls == "transformers.models.whisper.modeling_whisper.WhisperEncoder"
     model.save_pretrained(tmp_path / "whisper")
     assert type(Single.from_pretrained(tmp_path / "whisper").main) is WhisperEncoder
     assert type(WhisperEncoder.from_pretrained(tmp_path / "whisper" / "main")) is WhisperEncoder
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, launch_ranks):
     """tests/scripts/mp_downloaded.py at 2 gloo ranks, once for the tests below."""
-    from test_multiprocess import launch_ranks
-
     out = tmp_path_factory.mktemp("mp_downloaded")
-    launch_ranks("mp_downloaded.py", str(out), port=29561)
+    launch_ranks("mp_downloaded.py", str(out))
     return out, torch.load(out / "results.pt", weights_only=True)
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import make_args, tiny_data, tiny_model
 
-from digits import Captioner
 from hf_omni import OmniTrainer
+from hf_omni.testing.digits import Captioner
 
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
            "llm": {"learning_rate": 1e-2, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}}
@@ -56,7 +56,7 @@ def test_caption_script_decodes_as_the_training_script(trained):
     produce the same captions, up to the first [EOS] where generate stops: the same accuracy."""
     import caption
 
-    from digits import greedy_captions, load_splits
+    from hf_omni.testing.digits import greedy_captions, load_splits
 
     export, _, _ = trained
     model = Captioner.from_pretrained(str(export))

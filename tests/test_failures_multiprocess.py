@@ -11,27 +11,23 @@ import time
 import pytest
 import torch
 from checkpoint_scenario import make_trainer
+from launching import SCRIPTS, free_port, subprocess_env
 
-from hf_omni.checkpoint_files import MARKER, newest_complete_checkpoint
+from hf_omni.checkpoint.files import MARKER, newest_complete_checkpoint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "scripts", "mp_failures.py")
-
-
-def clean_env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+SCRIPT = os.path.join(SCRIPTS, "mp_failures.py")
 
 
 def under_accelerate(mode: str, out, port: int) -> list[int]:
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
            "no", "--dynamo_backend", "no", "--main_process_port", str(port), SCRIPT, mode, str(out)]
-    return [subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env()).returncode]
+    return [subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env()).returncode]
 
 
 def as_plain_processes(mode: str, out, port: int) -> list[int]:
     procs = []
     for rank in (0, 1):
-        env = dict(clean_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        env = subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, SCRIPT, mode, str(out)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -45,7 +41,7 @@ def errors(out) -> list[str]:
 @pytest.mark.parametrize("launcher", [under_accelerate, as_plain_processes])
 def test_a_rank_failing_alone_fails_every_rank_with_the_same_error(tmp_path, launcher):
     start = time.monotonic()
-    codes = launcher("write", tmp_path, 29591 if launcher is under_accelerate else 29593)
+    codes = launcher("write", tmp_path, free_port())
     assert all(code != 0 for code in codes) and time.monotonic() - start < 60
     first, second = errors(tmp_path)
     assert first == second, (first, second)
@@ -58,7 +54,7 @@ def test_a_rank_failing_alone_fails_every_rank_with_the_same_error(tmp_path, lau
         return
     for name in ("rank0.txt", "rank1.txt"):
         os.remove(tmp_path / name)
-    codes = launcher("read", tmp_path, 29592)  # rank 1 cannot read what it resumes from
+    codes = launcher("read", tmp_path, free_port())  # rank 1 cannot read what it resumes from
     assert all(code != 0 for code in codes)
     first, second = errors(tmp_path)
     assert first == second and "failed on rank 1" in first and "reading" in first and "model.safetensors" in first
@@ -72,7 +68,7 @@ def test_an_async_write_failing_on_one_rank_fails_every_rank(tmp_path):
     """Rank 0's HF files fail in its background thread: the later writes (every rank's shards, whose collectives
     rank 1 waits in) still run, and both ranks raise the same error at the next save."""
     start = time.monotonic()
-    codes = as_plain_processes("write_async", tmp_path, 29594)
+    codes = as_plain_processes("write_async", tmp_path, free_port())
     assert all(code != 0 for code in codes) and time.monotonic() - start < 60
     first, second = errors(tmp_path)
     assert first == second, (first, second)

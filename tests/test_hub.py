@@ -12,11 +12,11 @@ import torch
 import yaml
 from helpers import make_args, tiny_data, tiny_model
 
-from digits import Captioner
 from hf_omni import OmniModel, OmniTrainer
-from hf_omni.hub_push import HubPushError
-from hf_omni.module_io import module_files
+from hf_omni.hub.push import HubPushError
+from hf_omni.modules.folder import module_files
 from hf_omni.testing import LoopbackHub
+from hf_omni.testing.digits import Captioner
 
 TOKEN = "hf_SECRETtoken0123456789abcdef"
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
@@ -168,11 +168,11 @@ def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision,
                                                                 monkeypatch):
     import threading
 
-    import hf_omni.trainer_hub
+    import hf_omni.trainer.hub
 
     caplog.set_level(logging.DEBUG)
-    threads, push = [], hf_omni.trainer_hub.push_saved
-    monkeypatch.setattr(hf_omni.trainer_hub, "push_saved",
+    threads, push = [], hf_omni.trainer.hub.push_saved
+    monkeypatch.setattr(hf_omni.trainer.hub, "push_saved",
                         lambda *a, **k: threads.append(threading.current_thread().name) or push(*a, **k))
     model = composed(hub_vision)
     args = make_args(tmp_path, max_steps=4, modules=MODULES, push_to_hub=True, hub_model_id="org/ckpt",

@@ -11,17 +11,15 @@ import sys
 
 import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-from kill_points import POINTS  # noqa: E402
+from launching import SCRIPTS, subprocess_env
+from scripts.kill_points import POINTS
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     out = tmp_path_factory.mktemp("kill_points")
-    result = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "kill_points.py"), str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "kill_points.py"), str(out)],
+                            capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert result.returncode == 0, result.stderr[-4000:]
     return out, torch.load(out / "results.pt", weights_only=True), torch.load(out / "straight.pt", weights_only=True)
 

@@ -11,8 +11,9 @@ import urllib.request
 
 import pytest
 from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
-from huggingface_hub.errors import (HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub.errors import (
+    HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+)
 
 from hf_omni.testing import LoopbackHub
 

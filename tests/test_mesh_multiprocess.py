@@ -4,18 +4,16 @@ module full shard) and in one process; the 2-rank run's own checkpoint resumes i
 
 import pytest
 import torch
-from helpers import assert_state_close, make_args, step_losses, tiny_data, tiny_model
+from helpers import assert_state_close, full_state, make_args, step_losses, tiny_data, tiny_model
 from mesh_scenarios import ELASTIC, SCENARIOS, build
-from mp_scenarios import full_state_dict
-from test_multiprocess import launch_ranks
 
 from hf_omni import OmniTrainer
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
+def four_ranks(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("four_ranks")
-    launch_ranks("mp_mesh.py", str(out), processes=4, port=29541, timeout=900,
+    launch_ranks("mp_mesh.py", str(out), processes=4, timeout=900,
                  env_extra={"OMP_NUM_THREADS": "1"})  # 4 ranks on few cores
     return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in SCENARIOS} | {"_dir": out}
 
@@ -34,7 +32,7 @@ def test_four_ranks_on_per_module_meshes_equal_one_rank(four_ranks, tmp_path, na
     got = four_ranks[name]
     assert got["facts"]["world_size"] == 4
     assert got["losses"] == pytest.approx(step_losses(trainer), abs=SCENARIOS[name]["atol"])
-    assert_state_close(got["state"], full_state_dict(model), atol=SCENARIOS[name]["atol"])
+    assert_state_close(got["state"], full_state(model), atol=SCENARIOS[name]["atol"])
 
 
 def test_meshes_are_what_each_module_asked_for(four_ranks):
@@ -63,14 +61,14 @@ def test_hsdp_checkpoint_resumes_in_one_process(four_ranks, tmp_path):
     trainer, model = single_rank(tmp_path, "mixed_global_clip")
     trainer.train(resume_from_checkpoint=str(four_ranks["_dir"] / "mixed_global_clip" / "checkpoint-2"))
     assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)  # steps 1-2 from trainer_state.json
-    assert_state_close(got["state"], full_state_dict(model), atol=1e-5)
+    assert_state_close(got["state"], full_state(model), atol=1e-5)
 
 
 @pytest.fixture(scope="module")
-def two_ranks_resumed(four_ranks, tmp_path_factory):
+def two_ranks_resumed(four_ranks, tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("two_ranks_elastic")
     checkpoint = four_ranks["_dir"] / "mixed_global_clip" / "checkpoint-2"
-    launch_ranks("mp_mesh.py", str(out), "elastic", str(checkpoint), processes=2, port=29543, timeout=600)
+    launch_ranks("mp_mesh.py", str(out), "elastic", str(checkpoint), processes=2, timeout=600)
     return torch.load(out / "elastic.pt", weights_only=True) | {"_dir": out}
 
 
@@ -87,4 +85,4 @@ def test_hsdp_checkpoint_resumes_at_two_ranks_full_shard_then_in_one_process(fou
                           train_dataset=tiny_data(model))
     trainer.train(resume_from_checkpoint=str(two_ranks_resumed["_dir"] / "elastic" / "checkpoint-3"))
     assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)
-    assert_state_close(got["state"], full_state_dict(model), atol=1e-5)
+    assert_state_close(got["state"], full_state(model), atol=1e-5)

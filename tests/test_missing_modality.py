@@ -10,9 +10,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import ResNetConfig, ResNetModel
 
-import hf_omni.missing_modality as missing
+import hf_omni.offline.missing_modality as missing
 from hf_omni import OmniModel, offline_encoder
-from hf_omni.parallel.driver import WrappedModules
+from hf_omni.modules.slot import Stage
+from hf_omni.parallel.ddp import DdpStrategy
+from hf_omni.parallel.driver import Prepared
 
 
 class Tower(OmniModel):
@@ -54,7 +56,10 @@ def stub_exchange(model, monkeypatch) -> dict:
     """As if `model` were prepared over 2 ranks with its modules replicated; `exchange["others"]`: whether the other
     rank has images (3, whose row 0 is ROW)."""
     exchange = {"others": True}
-    model.prepared = WrappedModules(wrapped=dict.fromkeys(model.module_names, "ddp"), frozen=set())
+    model.prepared = Prepared()
+    for slot in model.slots.values():
+        slot.trains = True
+        slot.wrapped(DdpStrategy({}))
     monkeypatch.setattr(missing, "world_size", lambda: 2)
     monkeypatch.setattr(missing, "comm_device", lambda prepared: torch.device("cpu"))
 
@@ -173,6 +178,6 @@ def test_only_the_dummy_buffer_changes_are_put_back(tower, monkeypatch):
 
 def test_an_offline_module_given_its_inputs_runs_without_an_exchange(tower, distributed, monkeypatch):
     """The ranks given cached outputs never call the entry point: an exchange here would wait for them forever."""
-    tower.prepared.wrapped = {"vision": "offline", "projector": "ddp"}  # another module still replicated
+    tower.slots["vision"].stage = Stage.RELEASED  # offline (its strategy stands in for another module's)
     monkeypatch.setattr(missing, "shared_shapes", lambda *a, **k: pytest.fail("exchanged for an offline module"))
     assert tower.encode(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)).shape == (2, 16)

@@ -81,8 +81,8 @@ def test_source_recorded_for_module_loaded_from_folder(tmp_path):
             return self.head(self.encoder(x))
 
     model = Two.from_modules({"encoder": released, "head": Projector(ProjectorConfig(in_features=4, out_features=2))})
-    assert model.config.module_entry("encoder")["source"] == str(tmp_path / "released")
-    assert model.config.module_entry("head")["source"] is None
+    assert model.config.module_entry("encoder").source == str(tmp_path / "released")
+    assert model.config.module_entry("head").source is None
     model.save_pretrained(tmp_path / "out")
     import shutil
 
@@ -183,7 +183,7 @@ def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
     empty = Captioner.from_pretrained(tmp_path, empty_init=True)
     assert all(p.is_meta for p in empty.parameters())
     plugin = OmniPlugin(modules={"vision": {"trainable": False}}, output_dir=str(tmp_path / "run"))
-    with caplog.at_level("WARNING", logger="hf_omni.weights"):
+    with caplog.at_level("WARNING", logger="hf_omni.modules.weights"):
         plugin.prepare(Accelerator(cpu=True), empty, num_training_steps=1)
     assert "pooler" in caplog.text  # the one parameter the files lack (ViT's config forgets add_pooling_layer)
     state = {k: v for k, v in eager.state_dict().items() if ".pooler." not in k}

@@ -9,11 +9,10 @@ import sys
 
 import torch
 import yaml
+from launching import TESTS, free_port, subprocess_env
 from safetensors.torch import load_file
 
-from test_multiprocess import HERE
-
-TRAIN = os.path.join(os.path.dirname(HERE), "examples", "train.py")
+TRAIN = os.path.join(os.path.dirname(TESTS), "examples", "train.py")
 MODULES = {"vision": {}, "projector": {"learning_rate": 3e-3}, "llm": {"max_grad_norm": 1.0, "parallel": "fsdp"}}
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
 CONFIG = dict(max_steps=4, learning_rate=1e-3, lr_scheduler_type="cosine", weight_decay=0.0, logging_steps=1,
@@ -29,8 +28,7 @@ def write_config(folder, name: str, **values) -> str:
 
 def launch_two_nodes(config: str, port: int, timeout: int = 600) -> list[str]:
     """Both launchers at once (each waits for the other at the rendezvous); their stdout, node 0 first."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))} | {
-        "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen(
         ["accelerate", "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
          "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "4",
@@ -58,7 +56,7 @@ def test_two_nodes_train_the_demo_with_hsdp_equal_to_one_process(tmp_path):
     multi = write_config(tmp_path, "multi", per_device_train_batch_size=16,
                          modules=dict(MODULES, llm=dict(MODULES["llm"], parallelism=HSDP)))
     single = write_config(tmp_path, "single", per_device_train_batch_size=64, modules=MODULES)
-    node0, node1 = launch_two_nodes(multi, port=29545)
+    node0, node1 = launch_two_nodes(multi, port=free_port())
     alone = subprocess.run([sys.executable, TRAIN, single], capture_output=True, text=True, timeout=600)
     assert alone.returncode == 0, alone.stderr[-6000:]
     assert "held-out caption accuracy" not in node1  # printed by world rank 0 only, on node 0

@@ -2,43 +2,21 @@
 against 1-rank runs of the same scenarios with the same global batch."""
 
 import json
-import os
-import subprocess
-import sys
 
+import helpers
 import pytest
 import torch
-import helpers
-from helpers import assert_state_close, make_args, step_losses, tiny_data
-from mp_scenarios import FSDP_ENV, SCENARIOS, full_state_dict
+from helpers import assert_state_close, full_state, make_args, step_losses, tiny_data
+from mp_scenarios import FSDP_ENV, SCENARIOS
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def launch_ranks(script: str, *args: str, processes: int = 2, port: int = 29531, timeout: int = 600,
-                 env_extra: dict | None = None) -> None:
-    """`accelerate launch --multi_gpu --num_processes N tests/scripts/SCRIPT ARGS` (gloo on CPU), failing loudly."""
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           os.path.join(HERE, "scripts", script), *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))} | (env_extra or {})
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
-        raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
-
-
-def launch_two_ranks(script: str, *args: str, timeout: int = 600) -> None:
-    launch_ranks(script, *args, timeout=timeout)
-
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
+def two_rank_results(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("two_ranks")
-    launch_two_ranks("mp_train.py", str(out))
+    launch_ranks("mp_train.py", str(out))
     return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in SCENARIOS} | {"_dir": out}
 
 
@@ -47,7 +25,7 @@ def single_rank(tmp_path, name):
     trainer = OmniTrainer(model=model, args=make_args(tmp_path / name, **SCENARIOS[name]["single"]),
                           train_dataset=tiny_data(model))
     trainer.train()
-    return step_losses(trainer), full_state_dict(model)
+    return step_losses(trainer), full_state(model)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -9,13 +9,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import Captioner
-from mp_scenarios import full_state_dict
+from checkpoint_scenario import resume_trainer
+from helpers import Captioner, full_state
 from no_pickle import Unpickled, no_unpickling
-from resume_scenario import make_trainer
 from transformers import AutoModelForCausalLM, Trainer
 
-from hf_omni.checkpoint_files import MARKER, marker_info
+from hf_omni.checkpoint.files import MARKER, marker_info
 from hf_omni.cli import export
 
 PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # a protocol-2+ pickle; torch.save's zip
@@ -54,9 +53,9 @@ def test_the_guard_catches_each_way_to_unpickle(tmp_path):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     root = tmp_path_factory.mktemp("no_pickle")
-    trainer = make_trainer(root / "straight", "sharded_async", per_device=8)  # FSDP LoRA llm, async saves
+    trainer = resume_trainer(root / "straight", "sharded_async", per_device=8)  # FSDP LoRA llm, async saves
     trainer.train()
-    return root, full_state_dict(trainer.model)
+    return root, full_state(trainer.model)
 
 
 def planted(root, source):
@@ -77,7 +76,7 @@ def test_resume_export_and_reload_read_no_pickle(straight, tmp_path):
     written = [p for p in (root / "straight" / "checkpoint-5").rglob("*") if p.is_file()]
     assert [p for p in written if p.read_bytes()[:4].startswith(PICKLE_MAGIC)] == []  # hf_omni writes no pickle
     with no_unpickling():
-        resumed = make_trainer(tmp_path / "resumed", "sharded_async", per_device=8, seed=5)
+        resumed = resume_trainer(tmp_path / "resumed", "sharded_async", per_device=8, seed=5)
         resumed.train(resume_from_checkpoint=str(folder))
         resumed.plugin.load_state(str(folder), weights_only=True)  # load_best_model_at_end's path
         resumed.plugin.load_state(str(root / "straight" / "checkpoint-10"))
@@ -88,7 +87,7 @@ def test_resume_export_and_reload_read_no_pickle(straight, tmp_path):
         llm = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cli_export" / "llm"))
     assert not ran.exists()
     assert resumed.state.global_step == 10
-    resumed_state = full_state_dict(resumed.model)
+    resumed_state = full_state(resumed.model)
     for key, value in straight_state.items():
         assert torch.equal(value, resumed_state[key]), key
     for model in (reloaded, from_checkpoint):  # step 10 both: the resumed run's export, the straight checkpoint

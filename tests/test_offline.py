@@ -10,9 +10,13 @@ import torch
 from helpers import make_args, step_losses, tiny_data, tiny_model
 from transformers import TrainerCallback
 
-from digits import Captioner
-from hf_omni import OmniTrainer, offline_cache, weights
+from hf_omni import OmniTrainer
 from hf_omni.errors import OmniArgumentError
+from hf_omni.modules import weights
+from hf_omni.offline import cache as offline_cache
+from hf_omni.offline import serve
+from hf_omni.parallel import driver
+from hf_omni.testing.digits import Captioner
 
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
            "llm": {"learning_rate": 1e-3, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}}
@@ -55,7 +59,7 @@ def as_datasets(data):
 def test_offline_training_equals_online_and_never_materialises_the_module(tmp_path, source):
     model = tiny_model()
     data = tiny_data(model, 32) if source == "torch" else as_datasets(tiny_data(model, 32))
-    held_out = torch.utils.data.Subset(__import__("digits").load_splits(model.processors["llm"])[1], range(24))
+    held_out = torch.utils.data.Subset(__import__("hf_omni.testing.digits", fromlist=["x"]).load_splits(model.processors["llm"])[1], range(24))
     online = trainer(tmp_path / "online", model, data, eval_data=held_out)
     online.train()
     offline_model = tiny_model()
@@ -132,7 +136,8 @@ def test_a_killed_encode_is_never_used(tmp_path, monkeypatch):
 def test_empty_init_module_is_read_only_to_encode(tmp_path, monkeypatch):
     tiny_model().save_pretrained(str(tmp_path / "init"))
     fills, original = [], weights.fill_module
-    monkeypatch.setattr(weights, "fill_module", lambda m, f, d, name: fills.append(name) or original(m, f, d, name))
+    for user in (serve, driver):  # where modules are read: for encoding, and when prepared
+        monkeypatch.setattr(user, "fill_module", lambda m, f, d, name: fills.append(name) or original(m, f, d, name))
     for run in ("first", "second"):
         model = Captioner.from_pretrained(str(tmp_path / "init"), empty_init=True)
         trainer(tmp_path / run, model, offline_modules=["vision"],
@@ -168,7 +173,8 @@ def test_rows_without_input_store_no_feature_and_keep_their_dtype(tmp_path):
     """A text-only row (no pixel_values) stores null and reaches forward without the column; bf16 kept exactly."""
     from transformers import default_data_collator
 
-    from hf_omni.offline import CachedRows, offline_encoders
+    from hf_omni.offline.serve import CachedRows
+    from hf_omni.offline.spec import offline_encoders
 
     model = tiny_model().to(torch.bfloat16)
     base = tiny_data(model, 6)

@@ -15,7 +15,7 @@ from real_models import Batches, MultiEncoder, encode
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from hf_omni.module_classes import resolve_module_class
+from hf_omni.modules.classes import resolve_module_class
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +102,17 @@ def test_never_stepped_parameters_resume_without_optimizer_state(root):
 def test_a_tensor_the_checkpoint_cannot_restore_is_refused_before_loading(root, monkeypatch):
     """Mixtral's experts live in the checkpoint's state/ (the HF files hold them split): a state/ without them is
     refused, naming module and tensor, before any module is touched."""
-    from real_model_runs import make_trainer
+    from real_model_runs import case_trainer
 
-    from hf_omni import module_state
+    from hf_omni.checkpoint import module_state
 
     ckpt = os.path.join(root, "mixtral_fp32", "straight", "checkpoint-2")
     if not os.path.isdir(ckpt):
-        make_trainer(root, "mixtral_fp32", os.path.join(root, "mixtral_fp32", "straight")).train()
+        case_trainer(root, "mixtral_fp32", os.path.join(root, "mixtral_fp32", "straight")).train()
     keys = module_state.state_keys
     monkeypatch.setattr(module_state, "state_keys",
                         lambda folder: [k for k in keys(folder) if not k.startswith("tensors.")])
-    trainer = make_trainer(root, "mixtral_fp32", os.path.join(root, "refused"), seed=3)
+    trainer = case_trainer(root, "mixtral_fp32", os.path.join(root, "refused"), seed=3)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(ValueError, match=r"module 'llm': .*state lacks 2 tensors \['model\.layers\.0\.mlp\.experts"):
         trainer.train(resume_from_checkpoint=ckpt)

@@ -9,15 +9,14 @@ import torch
 from helpers import make_args
 from real_models import Batches, MultiEncoder
 from scripts.mp_real_models import token_accuracy
-from test_multiprocess import launch_two_ranks
 
 from hf_omni import OmniTrainer
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("mp_real_models")
-    launch_two_ranks("mp_real_models.py", str(out))
+    launch_ranks("mp_real_models.py", str(out))
     return out, torch.load(out / "results.pt", weights_only=True)
 
 

@@ -5,21 +5,19 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_state_close, step_losses
-from mp_scenarios import full_state_dict
-from resume_scenario import LAYOUTS, make_trainer
-from test_multiprocess import launch_two_ranks
+from checkpoint_scenario import LAYOUTS, resume_trainer
+from helpers import assert_state_close, full_state, step_losses
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, launch_ranks):
     root = tmp_path_factory.mktemp("resume")
     one_rank = root / "one_rank"
     for layout in LAYOUTS:  # 1 rank, global batch 8: its step-5 checkpoint is resumed at 2 ranks
-        trainer = make_trainer(one_rank / layout, layout, per_device=8)
+        trainer = resume_trainer(one_rank / layout, layout, per_device=8)
         trainer.train()
         shutil.rmtree(one_rank / layout / "checkpoint-10")  # keep checkpoint-5 and frozen/ (vision's source)
-    launch_two_ranks("mp_resume.py", str(root / "two"), str(one_rank))
+    launch_ranks("mp_resume.py", str(root / "two"), str(one_rank))
     return root, torch.load(root / "two" / "resume.pt", weights_only=True)
 
 
@@ -33,11 +31,11 @@ def test_resume_at_equal_world_size_is_bitwise(runs, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_to_one(runs, tmp_path, layout):
     root, results = runs
-    trainer = make_trainer(root / "two" / layout / "split", layout, per_device=8, seed=5)
+    trainer = resume_trainer(root / "two" / layout / "split", layout, per_device=8, seed=5)
     trainer.train(resume_from_checkpoint=str(root / "two" / layout / "split" / "checkpoint-5"))
     straight_losses, straight_state = results[layout]["straight"]
     assert step_losses(trainer)[5:] == pytest.approx(straight_losses[5:], abs=1e-5)
-    assert_state_close(full_state_dict(trainer.model), straight_state, atol=1e-5)
+    assert_state_close(full_state(trainer.model), straight_state, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -10,7 +10,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from hf_omni.shard_writer import DTYPES, ShardWriter
+from hf_omni.checkpoint.shard_writer import ShardWriter
+from hf_omni.dtypes import SAFETENSORS as DTYPES
 
 
 def sample_state():

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from transformers import TrainerCallback, TrainingArguments
 
 from hf_omni import OmniArgumentError, OmniTrainer, OmniTrainingArguments
-from hf_omni.trainer_fields import REFUSALS, fates_table, unknown_fields
+from hf_omni.arguments.fields import REFUSALS, fates_table, unknown_fields
 
 MODULES = {"vision": {"trainable": False}}
 
@@ -216,7 +216,7 @@ def test_group_by_length_serves_each_mega_batch_longest_first(tmp_path):
 
 
 def test_use_cache_and_checkpointing_every_n_layers_reach_the_modules(tmp_path):
-    from digits import build_model
+    from hf_omni.testing.digits import build_model
 
     model = build_model(hidden=32, layers=1, llm_hidden=32, llm_layers=2)
     args = make_args(tmp_path, max_steps=1, modules={"vision": {"trainable": False}, "llm": {

@@ -14,19 +14,36 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import composable_replicate
+from .strategy import Strategy, register
 
 
-def apply(module: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
-    """Replicate `module` over all ranks with DDP's `ddp_kwargs` (find_unused_parameters, bucket_cap_mb, ...),
-    initialised now (parameters broadcast from rank 0 before any method of the module runs: the composed forward
-    may call `get_input_embeddings()` before the module's own forward)."""
-    broadcast = ddp_kwargs.get("broadcast_buffers", True)
-    composable_replicate(module, device, ddp_kwargs)
-    buffers = [b for b in module.buffers() if b.numel()]
-    if broadcast and buffers:
-        broadcast_buffers(buffers)
-        module.register_forward_pre_hook(lambda mod, args: broadcast_buffers(buffers))
-    return module
+@register
+class DdpStrategy(Strategy):
+    """Replicated over all ranks with DDP's keyword arguments (`find_unused_parameters`, `bucket_cap_mb`, ...)."""
+
+    name = "ddp"
+    collective = True
+
+    def __init__(self, ddp_kwargs: dict):
+        self.ddp_kwargs = dict(ddp_kwargs)
+        self.module: nn.Module | None = None
+
+    @classmethod
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "DdpStrategy":
+        return cls(slot.args.ddp_kwargs())
+
+    def apply(self, module: nn.Module, device: torch.device) -> None:
+        """Initialised now: parameters are broadcast from rank 0 before any method of the module runs (the composed
+        forward may call `get_input_embeddings()` before the module's own forward)."""
+        composable_replicate(module, device, self.ddp_kwargs)
+        buffers = [b for b in module.buffers() if b.numel()]
+        if self.ddp_kwargs.get("broadcast_buffers", True) and buffers:
+            broadcast_buffers(buffers)
+            module.register_forward_pre_hook(lambda mod, args: broadcast_buffers(buffers))
+        self.module = module
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.module.set_requires_gradient_sync(enabled)
 
 
 def broadcast_buffers(buffers: list[torch.Tensor]) -> None:
@@ -42,8 +59,3 @@ def broadcast_buffers(buffers: list[torch.Tensor]) -> None:
             for buf in group:
                 buf.copy_(flat[offset:offset + buf.numel()].view_as(buf))
                 offset += buf.numel()
-
-
-def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
-    """Off inside an accumulation window (no all-reduce); on for its last micro-step."""
-    module.set_requires_gradient_sync(enabled)

@@ -18,10 +18,11 @@ import os
 import torch
 from torch import nn
 
-from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root
+from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, no_split_modules, own_tensors
 from ..errors import OmniArgumentError
-from ..module_arguments import FsdpSettings
-from ..module_classes import embeddings_of
+from ..modules.classes import embeddings_of
+from .fsdp_settings import FsdpSettings
+from .strategy import Strategy, register
 
 MODEL_SCOPE = "(model)"  # the key of the one plugin under `fsdp_scope: model`
 FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
@@ -53,19 +54,6 @@ def mixed_precision_policy(value):
     return value
 
 
-def no_split_modules(module: nn.Module) -> set[str]:
-    """Layer classes to wrap by default: the `_no_split_modules` of the module (of every module, for a composed
-    model), kept to those present in it."""
-    from transformers import PreTrainedModel
-
-    present = {type(m).__name__ for m in module.modules()}
-    names = set()
-    for sub in module.modules():
-        if isinstance(sub, PreTrainedModel):
-            names.update(getattr(sub, "_no_split_modules", None) or [])
-    return names & present
-
-
 def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
     """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -86,7 +74,7 @@ def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
         kwargs["min_num_params"] = settings.min_num_params
     else:
         kwargs["transformer_cls_names_to_wrap"] = (settings.transformer_cls_names_to_wrap
-                                                   or sorted(no_split_modules(module)))
+                                                   or sorted(no_split_modules(module)))  # those present in it
     try:
         with isolated_fsdp_environment():
             return FullyShardedDataParallelPlugin(**kwargs)
@@ -94,7 +82,39 @@ def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
         raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None
 
 
-def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True,
+@register
+class FsdpStrategy(Strategy):
+    """FSDP2 over `mesh` (full shard; HSDP on a 2-D mesh; default: all ranks) with the module's own Accelerate
+    plugin. `lazy_init=False`: the module is on the meta device, filled after sharding (`fsdp_lazy_init_root` then)."""
+
+    name = "fsdp"
+    collective = True
+
+    def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True):
+        self.module_name, self.settings, self.mesh, self.lazy_init = module_name, settings, mesh, lazy_init
+        self.plugin = self.module = None
+
+    @classmethod
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
+        return cls(slot.name, slot.args.fsdp_settings(), mesh, lazy_init)
+
+    def apply(self, module: nn.Module, device: torch.device) -> None:
+        self.plugin = build_plugin(module, self.module_name, self.settings)
+        shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init, mesh=self.mesh)
+        self.module = module
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """`reshard_after_backward: false` also keeps the units gathered inside the window; the last micro-step
+        reshards them."""
+        self.module.set_requires_gradient_sync(enabled)
+        if not self.settings.reshard_after_backward:
+            self.module.set_reshard_after_backward(enabled)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return full_state_dict(module) if is_sharded(module) else module.state_dict()
+
+
+def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True,
           mesh=None) -> nn.Module:
     """Apply `plugin` to `module` in place with `fully_shard` on `mesh` (1-D: full shard; 2-D: HSDP; default: all
     ranks). `lazy_init=False` for a module on the meta device: call `fsdp_lazy_init_root` once its shards are
@@ -102,8 +122,9 @@ def apply(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     import torch.distributed as dist
     from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    from torch.distributed.fsdp import (
+        FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+    )
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward,
@@ -141,7 +162,7 @@ def holders_of(module: nn.Module, sub: nn.Module) -> list[nn.Module]:
     out = [sub]
     for other in module.modules():
         if other is not sub and other not in out and not is_sharded(other) and any(
-                id(p) in params for p in other._parameters.values() if p is not None):
+                id(p) in params for _, _, p in own_tensors(other, buffers=False)):
             out.append(other)
     return out
 
@@ -158,9 +179,7 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
     for prefix, sub in module.named_modules(remove_duplicate=False):
         inside = max((u for u in units if prefix == u or prefix.startswith(u + ".")), key=len, default=None)
         unit = units[inside] if inside is not None else None
-        for attr, param in sub._parameters.items():
-            if param is None:
-                continue
+        for _, attr, param in own_tensors(sub, buffers=False):
             tensor = f"{prefix}.{attr}" if prefix else attr
             first = holders.setdefault(id(param), (tensor, unit))
             if first[1] != unit:
@@ -168,13 +187,6 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
                     f"{first[0]} and {tensor} are one tied parameter, but would lie in two FSDP units: wrap a layer "
                     "class that holds both, or untie them"))
 
-
-def set_gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool) -> None:
-    """Off inside an accumulation window; `keep_gathered` (reshard_after_backward: false) also keeps the units
-    gathered inside it. The last micro-step (sync on) reshards them."""
-    module.set_requires_gradient_sync(enabled)
-    if keep_gathered:
-        module.set_reshard_after_backward(enabled)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -1,5 +1,5 @@
 """What trains inside a module, applied before it is wrapped: freeze, LoRA (PEFT, in place), activation
-checkpointing."""
+checkpointing; each from the module's resolved `arguments.module.ModuleArguments` (`margs`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from torch import nn
 
 from ..compat import inject_lora
 from ..errors import OmniArgumentError
-from ..module_arguments import ModuleArguments
-from ..module_io import lora_config_of
+from ..modules.lora import lora_config_of
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +19,7 @@ def freeze(module: nn.Module) -> None:
     module.eval()
 
 
-def apply_lora(module: nn.Module, margs: ModuleArguments) -> bool:
+def apply_lora(module: nn.Module, margs) -> bool:
     """Inject LoRA adapters in place (PEFT); only the adapters train. Returns False when the config matches no
     layer of this module and came from the top level (the module then stays fully frozen)."""
     from peft import LoraConfig
@@ -38,7 +37,7 @@ def apply_lora(module: nn.Module, margs: ModuleArguments) -> bool:
     return False
 
 
-def apply_activation_checkpointing(module: nn.Module, margs: ModuleArguments) -> None:
+def apply_activation_checkpointing(module: nn.Module, margs) -> None:
     if not getattr(module, "supports_gradient_checkpointing", False):
         raise OmniArgumentError(margs.name, "activation_checkpointing",
                                 f"{type(module).__name__} does not support activation checkpointing")
@@ -62,7 +61,7 @@ def check_supported(module: nn.Module, name: str) -> None:
                                     "adapter named 'default' is supported (no IA3, LoHa, LoKr or prompt tuning yet)")
 
 
-def apply_training_mode(module: nn.Module, margs: ModuleArguments) -> bool:
+def apply_training_mode(module: nn.Module, margs) -> bool:
     """Freeze | LoRA, then activation checkpointing. Returns whether anything in the module still trains."""
     check_supported(module, margs.name)
     trainable = margs.trainable

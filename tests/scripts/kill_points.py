@@ -12,21 +12,20 @@ import signal
 import sys
 
 os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool in the parent: forked children stay safe
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from checkpoint_scenario import make_trainer  # noqa: E402
-from transformers import TrainerState  # noqa: E402
+import torch
+from checkpoint_scenario import make_trainer
+from transformers import TrainerState
 
-import hf_omni.checkpoint_files as files  # noqa: E402
-import hf_omni.cli  # noqa: E402
-import hf_omni.module_io as module_io  # noqa: E402
-import hf_omni.module_state as module_state  # noqa: E402
-import hf_omni.save_pipeline as save_pipeline  # noqa: E402
-import hf_omni.shard_writer as shard_writer  # noqa: E402
-from hf_omni.checkpoint import ModuleCheckpointer  # noqa: E402
-from hf_omni.modeling import OmniModel  # noqa: E402
-from hf_omni.trainer import OmniTrainer  # noqa: E402
+import hf_omni.checkpoint.files as files
+import hf_omni.checkpoint.module_state as module_state
+import hf_omni.checkpoint.pipeline as save_pipeline
+import hf_omni.checkpoint.shard_writer as shard_writer
+import hf_omni.cli
+import hf_omni.modules.folder as module_io
+from hf_omni.checkpoint.checkpointer import ModuleCheckpointer
+from hf_omni.modeling import OmniModel
+from hf_omni.trainer.trainer import OmniTrainer
 
 torch.set_num_threads(1)
 

@@ -7,16 +7,14 @@ counts. Usage: mp_downloaded.py OUT_DIR"""
 import os
 import sys
 
+import helpers
 import torch
 import torch.distributed as dist
+from custom_loops import AVERAGE_TOKENS, UnevenTokens, accumulate_loop
+from real_model_runs import mismatches, straight_and_resumed
+from real_models import Batches, mode_overlay
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import helpers  # noqa: E402
-from custom_loops import AVERAGE_TOKENS, UnevenTokens, accumulate_loop  # noqa: E402
-from real_model_runs import mismatches, straight_and_resumed  # noqa: E402
-from real_models import Batches, mode_overlay  # noqa: E402
-
-from hf_omni import OmniTrainer  # noqa: E402
+from hf_omni import OmniTrainer
 
 TIED = dict(t5="full", whisper="frozen", qwen2vl="full", projector="full", llm="full")
 FSDP = {"t5": {"parallel": "fsdp"}, "llm": {"parallel": "fsdp"}}

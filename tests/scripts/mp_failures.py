@@ -9,33 +9,32 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checkpoint_scenario import make_trainer  # noqa: E402
+from checkpoint_scenario import make_trainer
 
-import hf_omni.module_io  # noqa: E402
-import hf_omni.checkpoint  # noqa: E402
+import hf_omni.checkpoint.resume
+import hf_omni.modules.folder
 
 
 def fail_writing_on_rank0_at_step4():
-    original = hf_omni.module_io.write_module_files
+    original = hf_omni.modules.folder.write_module_files
 
     def write_module_files(module, folder, *args):
         if "checkpoint-4" in folder and os.environ.get("RANK", "0") == "0":
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(folder, "model.safetensors"))
         return original(module, folder, *args)
 
-    hf_omni.module_io.write_module_files = write_module_files
+    hf_omni.modules.folder.write_module_files = write_module_files
 
 
 def fail_reading_on_rank1():
-    original = hf_omni.checkpoint.read_into
+    original = hf_omni.checkpoint.resume.read_into
 
     def read_into(module, folder, *args, **kwargs):
         if os.environ.get("RANK") == "1":
             raise ValueError(f"{folder}/model.safetensors: truncated (injected on rank 1)")
         return original(module, folder, *args, **kwargs)
 
-    hf_omni.checkpoint.read_into = read_into
+    hf_omni.checkpoint.resume.read_into = read_into
 
 
 def main(mode: str, out_dir: str):

@@ -8,15 +8,14 @@ OUT_DIR/elastic, writing OUT_DIR/elastic.pt."""
 import os
 import sys
 
+import helpers
 import torch
 import torch.distributed as dist
+from helpers import full_state
+from mesh_scenarios import ELASTIC, SCENARIOS, build
+from mp_scenarios import sharding_facts
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import helpers  # noqa: E402
-from mesh_scenarios import ELASTIC, SCENARIOS, build  # noqa: E402
-from mp_scenarios import full_state_dict, sharding_facts  # noqa: E402
-
-from hf_omni import OmniTrainer  # noqa: E402
+from hf_omni import OmniTrainer
 
 
 def elastic(out_dir: str, checkpoint: str):
@@ -24,7 +23,7 @@ def elastic(out_dir: str, checkpoint: str):
     args = helpers.make_args(os.path.join(out_dir, "elastic"), **ELASTIC)
     trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
     trainer.train(resume_from_checkpoint=checkpoint)
-    state = full_state_dict(model)
+    state = full_state(model)
     if dist.get_rank() == 0:
         torch.save({"losses": helpers.step_losses(trainer), "state": state, "world_size": dist.get_world_size(),
                     "mesh_shapes": {n: tuple(m.shape) for n, m in trainer.plugin.meshes.items()}},
@@ -49,7 +48,7 @@ def main(out_dir: str):
             "placements": {n: str(next(getattr(model, n, model).parameters()).placements) for n in meshes},
             "sharding": sharding_facts(model),
         }
-        state = full_state_dict(model)
+        state = full_state(model)
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "facts": facts},
                        os.path.join(out_dir, f"{name}.pt"))

@@ -8,10 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from real_model_runs import mismatches, straight_and_resumed  # noqa: E402
-from real_models import Batches  # noqa: E402
+from real_model_runs import mismatches, straight_and_resumed
+from real_models import Batches
 
 CASES = {
     "ddp": ("llama_fp32", dict(vit="full", resnet="full", bert="lora", clip="frozen", siglip="frozen",

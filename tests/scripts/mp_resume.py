@@ -8,13 +8,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import step_losses  # noqa: E402
-from mp_scenarios import full_state_dict  # noqa: E402
-from no_pickle import no_unpickling  # noqa: E402
-from resume_scenario import LAYOUTS, make_trainer  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from checkpoint_scenario import LAYOUTS, resume_trainer
+from helpers import full_state, step_losses
+from no_pickle import no_unpickling
+from transformers import TrainerCallback
 
 
 class StopAt(TrainerCallback):
@@ -29,20 +26,20 @@ class StopAt(TrainerCallback):
 def main(out_dir, one_rank_dir=None):
     results = {}
     for layout in LAYOUTS:
-        straight = make_trainer(os.path.join(out_dir, layout, "straight"), layout, per_device=4)
+        straight = resume_trainer(os.path.join(out_dir, layout, "straight"), layout, per_device=4)
         straight.train()
-        first = make_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, callbacks=[StopAt(5)])
+        first = resume_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, callbacks=[StopAt(5)])
         first.train()
-        second = make_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, seed=5)
+        second = resume_trainer(os.path.join(out_dir, layout, "split"), layout, per_device=4, seed=5)
         with no_unpickling():  # resume reads safetensors and JSON only, at every rank
             second.train(resume_from_checkpoint=True)
-        results[layout] = {"straight": (step_losses(straight), full_state_dict(straight.model)),
-                           "resumed": (step_losses(second), full_state_dict(second.model))}
+        results[layout] = {"straight": (step_losses(straight), full_state(straight.model)),
+                           "resumed": (step_losses(second), full_state(second.model))}
         if one_rank_dir:  # 1 -> 2: the 1-rank run's step-5 checkpoint, the same global batch
-            grown = make_trainer(os.path.join(one_rank_dir, layout), layout, per_device=4, seed=5)
+            grown = resume_trainer(os.path.join(one_rank_dir, layout), layout, per_device=4, seed=5)
             with no_unpickling():
                 grown.train(resume_from_checkpoint=True)
-            results[layout]["grown"] = (step_losses(grown), full_state_dict(grown.model))
+            results[layout]["grown"] = (step_losses(grown), full_state(grown.model))
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "resume.pt"))
     dist.barrier()

@@ -7,16 +7,14 @@ full weights and facts about the wrapping; the test compares them with single-pr
 import os
 import sys
 
+import helpers
 import torch
 import torch.distributed as dist
+from helpers import full_state
+from mp_scenarios import FSDP_ENV, SCENARIOS, sharding_facts
+from transformers import TrainerCallback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import helpers  # noqa: E402
-from mp_scenarios import FSDP_ENV, SCENARIOS, full_state_dict, sharding_facts  # noqa: E402
-
-from transformers import TrainerCallback  # noqa: E402
-
-from hf_omni import OmniTrainer  # noqa: E402
+from hf_omni import OmniTrainer
 
 
 class GatheredProbe(TrainerCallback):
@@ -41,7 +39,7 @@ class ReadLog:
     """Records every tensor read from safetensors by empty_init loading: (key, shape read, full shape)."""
 
     def __init__(self):
-        from hf_omni.weights import SafetensorsIndex
+        from hf_omni.modules.weights import SafetensorsIndex
 
         self.reads, original = [], SafetensorsIndex.read
 
@@ -84,7 +82,7 @@ def main(out_dir: str, names: list[str]):
             "fsdp_units": {n: sum(hasattr(m, "unshard") for m in module.modules())
                            for n, module in model.omni_modules().items()},
         }
-        state = full_state_dict(model)
+        state = full_state(model)
         trainer.save_model(os.path.join(out_dir, name, "export"))
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "facts": facts},

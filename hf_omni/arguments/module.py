@@ -1,0 +1,166 @@
+"""`ModuleArguments`: one module's settings, and the single declaration of every per-module key.
+
+Each key is a dataclass field whose metadata carries its types, nullability, bounds, choices and help, as
+Accelerate's plugin dataclasses do; `MODULE_KEYS`, the validation of an overlay, the merge of an overlay over the
+top-level defaults and the key tables of docs/configuration.md are all derived from these fields (the
+`fsdp_plugin` keys: `parallel.fsdp_settings.FsdpSettings`, declared the same way).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import repo_id_error
+from ..errors import OmniArgumentError
+from ..keys import NUMBER, check_field, declared, default_of, key
+from ..parallel import strategy_names
+from ..parallel.fsdp_settings import FsdpSettings
+from ..parallel.mesh import check_parallelism
+
+
+# -- per-module keys ------------------------------------------------------------------------------------
+def _optimizer_names():
+    from transformers.training_args import OptimizerNames
+
+    return {o.value for o in OptimizerNames}
+
+
+UNSUPPORTED_OPTIMIZERS = {  # name prefix -> why a per-module optimizer cannot be one
+    "galore_": "builds its own parameter groups from `optim_target_modules`",
+    "apollo_": "builds its own parameter groups from `optim_target_modules`",
+    "lomo": "steps inside backward (it needs the whole model), not per module",
+    "adalomo": "steps inside backward (it needs the whole model), not per module",
+    "schedule_free_": "needs train() / eval() calls that per-module optimizers do not make",
+}
+
+
+def _check_optim(module: str | None, name: str) -> None:
+    for prefix, why in UNSUPPORTED_OPTIMIZERS.items():
+        if name.startswith(prefix):
+            raise OmniArgumentError(module, "optim", f"{name!r} {why}: not supported yet")
+
+
+def _scheduler_names():
+    from transformers import SchedulerType
+
+    # metric-driven schedulers step on eval metrics, which per-module schedulers do not get
+    return {s.value for s in SchedulerType} - {"reduce_lr_on_plateau", "greedy"}
+
+
+def _check_lora(module: str | None, lora: dict) -> None:
+    from peft import LoraConfig
+
+    try:
+        LoraConfig(**lora)
+    except (TypeError, ValueError) as err:
+        raise OmniArgumentError(module, "lora", f"not a valid peft.LoraConfig: {err}") from None
+
+
+def _check_fsdp(module: str | None, settings: dict) -> None:
+    FsdpSettings.check_overlay(module, settings)
+
+
+def _check_repo_id(module: str | None, repo_id: str) -> None:
+    if repo_id_error(repo_id):
+        raise OmniArgumentError(module, "hub_model_id", f"not a Hub repo id: {repo_id_error(repo_id)}")
+
+
+@dataclass
+class ModuleArguments:
+    """One module's resolved settings: the top-level defaults with its `modules.<name>` overlay applied."""
+
+    name: str
+    trainable: bool = key(True, (bool,), "false: fully frozen (no LoRA, no optimizer, eval mode, no checkpoint "
+                          "state)", top_level=None)
+    lora: dict | None = key(None, (dict,), "peft.LoraConfig fields; only the adapters train", nullable=True,
+                            check=_check_lora)
+    learning_rate: float = key(5e-5, NUMBER, "the module's optimizer learning rate", minimum=0)
+    weight_decay: float = key(0.0, NUMBER, "weight decay (not on biases and norms)", minimum=0)
+    optim: str = key("adamw_torch", (str,), "a TrainingArguments `optim` name (not GaLore, APOLLO, LOMO or "
+                     "schedule-free ones)", choices=_optimizer_names, check=_check_optim)
+    optim_args: str | None = key(None, (str,), "TrainingArguments `optim_args`", nullable=True)
+    lr_scheduler_type: str = key("linear", (str,), "a TrainingArguments scheduler name (not metric-driven ones)",
+                                 choices=_scheduler_names)
+    lr_scheduler_kwargs: dict = key({}, (dict,), "extra scheduler arguments", nullable=True)
+    warmup_steps: float = key(0, NUMBER, "warmup steps; < 1 is a ratio of the training steps", minimum=0)
+    max_grad_norm: float | None = key(1.0, NUMBER, "clip the module's gradients to this norm (0 or null: off)",
+                                      nullable=True, minimum=0)
+    activation_checkpointing: bool = key(False, (bool,), "recompute activations in backward",
+                                         top_level="module_activation_checkpointing")
+    activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "
+                                                "use_reentrant: false)", nullable=True)
+    parallel: str = key("ddp", (str,), "`fsdp`, `ddp` or `none`: how the module is wrapped under a process group",
+                        choices=strategy_names)
+    fsdp_plugin: dict = key({}, (dict,), "FsdpSettings for a `parallel: fsdp` module (merged key by key)",
+                            nullable=True, check=_check_fsdp)
+    parallelism: dict | None = key(None, (dict,), "a `parallel: fsdp` module's mesh, Accelerate's ParallelismConfig "
+                                   "fields: {dp_shard_size: N} full shard (default: the world), {dp_replicate_size: "
+                                   "R, dp_shard_size: S} HSDP; R x S = world size", nullable=True,
+                                   check=check_parallelism)
+    ddp_find_unused_parameters: bool | None = key(
+        None, (bool,), "`parallel: ddp`: DDP's find_unused_parameters (unset: true unless activation checkpointing, "
+        "as Trainer)", nullable=True)
+    ddp_bucket_cap_mb: int | None = key(None, (int,), "`parallel: ddp`: DDP's bucket_cap_mb", nullable=True,
+                                        minimum=1)
+    ddp_broadcast_buffers: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's broadcast_buffers (unset: "
+                                             "true)", nullable=True)
+    ddp_static_graph: bool | None = key(None, (bool,), "`parallel: ddp`: DDP's static_graph", nullable=True)
+    push_to_hub: bool | None = key(None, (bool,), "with `push_to_hub`: true uploads the module, false links it "
+                                   "(its `hub_model_id` or the Hub repo it was loaded from); unset: upload unless it "
+                                   "is frozen and was loaded from the Hub", nullable=True, top_level=None)
+    hub_model_id: str | None = key(None, (str,), "the module's own Hub repo (`hub_layout: per_module`; default "
+                                   "`<hub_model_id>-<module>`), or the repo a `push_to_hub: false` module links to",
+                                   nullable=True, check=_check_repo_id, top_level=None)
+    # derived from where a value came from, not keys
+    lora_from_module: bool = False       # written under modules.<name> (then it must match something)
+    parallel_from_module: bool = False   # a frozen module is wrapped only when its own entry asks
+
+    def warmup_steps_for(self, num_training_steps: int | None) -> int:
+        """As TrainingArguments 5.x: a value < 1 is a ratio of the training steps."""
+        if self.warmup_steps >= 1 or self.warmup_steps == 0:
+            return int(self.warmup_steps)
+        if num_training_steps is None:
+            raise OmniArgumentError(self.name, "warmup_steps", "a ratio needs the number of training steps")
+        return math.ceil(num_training_steps * self.warmup_steps)
+
+    def ddp_kwargs(self) -> dict:
+        """DDP's arguments for this module, with Trainer's defaults."""
+        find_unused = self.ddp_find_unused_parameters
+        kwargs = {"find_unused_parameters": not self.activation_checkpointing if find_unused is None else find_unused}
+        for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
+            if getattr(self, f"ddp_{name}") is not None:
+                kwargs[name] = getattr(self, f"ddp_{name}")
+        return kwargs
+
+    def fsdp_settings(self) -> FsdpSettings:
+        return FsdpSettings.from_dict(self.name, self.fsdp_plugin or {})
+
+
+MODULE_FIELDS = declared(ModuleArguments)
+MODULE_KEYS: tuple[str, ...] = tuple(MODULE_FIELDS)
+
+
+def field_help(name: str) -> str:
+    return MODULE_FIELDS[name].metadata["help"]
+
+
+def check_module_key(module: str | None, name: str, value: Any) -> Any:
+    """Validate one per-module key as written (unknown keys are an error naming the module)."""
+    if name not in MODULE_FIELDS:
+        raise OmniArgumentError(module, name, f"unknown key; known: {sorted(MODULE_KEYS)}")
+    return check_field(module, name, value, dict(MODULE_FIELDS[name].metadata))
+
+
+def key_table() -> str:
+    """docs/configuration.md's per-module key tables, generated from the declarations."""
+    rows = ["| key | default | top-level default from | what it does |", "|---|---|---|---|"]
+    for name, f in MODULE_FIELDS.items():
+        top = f.metadata["top_level"]
+        source = "per-module only" if top is None else ("`activation_checkpointing`" if top != "same" else f"`{name}`")
+        rows.append(f"| `{name}` | `{default_of(f)!r}` | {source} | {f.metadata['help']} |")
+    rows += ["", "| `fsdp_plugin` key | default | what it does |", "|---|---|---|"]
+    for name, f in declared(FsdpSettings).items():
+        rows.append(f"| `{name}` | `{default_of(f)!r}` | {f.metadata['help']} |")
+    return "\n".join(rows)

@@ -1,0 +1,138 @@
+"""`ModuleCheckpointer`: saves the per-module state of a prepared composed model (`resume.py` reads it back).
+
+A checkpoint is every stateful thing by name: each trainable module's weights (its HF folder) and `state/`, the
+per-module optimizers and schedulers (`ModuleOptimizers` / `ModuleSchedulers`, Stateful by module name), the
+GradScaler, and the root config; then, last, the marker.
+
+    save:  remove a stale marker -> frozen sources (once) -> per trainable module: HF folder (rank 0, gathered) +
+           optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json -> [async: later]
+           every rank done -> marker (rank 0, atomic)
+
+The layout is in `files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG state through
+`rng.py`; a custom loop uses `accelerator.save_state`)."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import os
+import shutil
+
+from ..dist import agreed, checkpoint_group, is_main
+from ..modules.folder import save_module, write_frozen_source
+from ..progress import each
+from . import files, module_state, resume
+from .pipeline import SavePipeline
+
+
+class ModuleCheckpointer:
+    """Per-module checkpoints of `model`: its trainable modules write a folder each; frozen ones are recorded by
+    source (a module built in memory is written once to `<output_dir>/frozen/<module>/`)."""
+
+    def __init__(self, model, output_dir: str | None, save_async: bool, verify: bool = False,
+                 show_progress: bool = True):
+        self.model, self.show_progress = model, show_progress
+        self.output_dir, self.save_async, self.verify = output_dir, save_async, verify
+        self.trainable = [name for name, slot in model.slots.items() if slot.trains]
+        self.states = {name: module_state.ModuleState(slot) for name, slot in model.slots.items()}
+        self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
+        self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
+        self._exit_hook = False
+        self.group = checkpoint_group()  # every step one rank does alone ends in an agreement on this group
+        self.async_group = checkpoint_group() if save_async else None  # the background writer's collectives
+        self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
+
+    def folder(self, directory: str, name: str) -> str:
+        return os.path.join(directory, self.model.slots[name].entry.subfolder)
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, directory: str, optimizer, scheduler, step: int | None = None, write_marker: bool = True,
+             weights_only: bool = False) -> None:
+        """Every rank: module folders, optimizer shards and schedulers, the root `config.json`; the marker after
+        every rank finished every file (with `save_async`, at the next save or `wait()`). `weights_only`
+        (Trainer's `save_only_model`): module folders without `state/`, marked not resumable."""
+        self.wait()
+        with agreed(f"preparing {directory}", self.group):
+            if is_main():
+                os.makedirs(directory, exist_ok=True)
+                stale = os.path.join(directory, files.MARKER)
+                if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
+                    os.remove(stale)
+                    files.fsync_dir(directory)
+                for name in self.trainable:  # old shards would be read back beside the new ones
+                    old = os.path.join(self.folder(directory, name), module_state.STATE)
+                    if os.path.isdir(old):
+                        shutil.rmtree(old)
+        for slot in self.model.slots.values():
+            if not slot.trains:
+                write_frozen_source(slot, self.output_dir, self.group)
+        pipeline = self.pipeline
+        if pipeline is not None:
+            pipeline.begin([self.model.slots[name].module for name in self.trainable])
+        optimizer_states = {} if weights_only else optimizer.state_dict()  # every rank its own shards
+        scheduler_states = {} if weights_only else scheduler.state_dict()
+        for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
+            slot, folder = self.model.slots[name], self.folder(directory, name)
+            state = slot.full_state()
+            with agreed(f"module {name!r}: writing {folder}", self.group):
+                if is_main():
+                    save_module(slot.module, folder, state, slot.processor, pipeline=pipeline)
+            if weights_only:
+                continue
+            tensors, rest = module_state.split(optimizer_states[name], os.path.join(folder, module_state.STATE))
+            with agreed(f"module {name!r}: writing {os.path.join(folder, module_state.STATE)} "
+                        f"({module_state.OPTIMIZER}, {module_state.SCHEDULER})", self.group):
+                if is_main():
+                    module_state.save_json(rest, folder, module_state.OPTIMIZER)
+                    module_state.save_scheduler(scheduler_states[name], folder)
+            self.states[name].save_tensors(folder, tensors, pipeline=pipeline, group=self.async_group)
+        with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):
+            if is_main():
+                self.model.write_config(directory)
+                if not weights_only:
+                    files.save_scaler(optimizer.scaler, directory)
+        futures = pipeline.start(self.async_group) if pipeline is not None else []
+        self._pending = (directory, step, futures, not weights_only)
+        if futures and not self._exit_hook:  # process exit waits for shards still being written
+            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
+            self._exit_hook = True
+        if write_marker and not self.save_async:
+            self.wait()
+
+    def fence(self) -> None:
+        """Before an optimizer step: the async save in flight has copied what it writes."""
+        if self.pipeline is not None:
+            self.pipeline.fence()
+
+    def wait(self) -> None:
+        """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
+        if self._pending is None:
+            return
+        directory, step, futures, resumable = self._pending
+        self._pending = None
+        concurrent.futures.wait(futures)  # every job done (a failed one does not stop the later ones)
+        with agreed(f"writing checkpoint {directory}", self.group):
+            for future in futures:
+                future.result()
+        with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
+            if is_main():
+                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable,
+                                                                digests=self.verify))
+        if self.on_marked is not None and is_main():
+            self.on_marked(directory)
+
+    def close(self) -> None:
+        """Finish the save in flight (marker included), release the staging buffers and the writer thread."""
+        self.wait()
+        for state in self.states.values():
+            state.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    # -- load (resume.py) ---------------------------------------------------------------------------
+    def load(self, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset(),
+             weights_only: bool = False) -> None:
+        """Every rank: each module's weights (its own rows of a sharded one; frozen modules from their recorded
+        source), then — unless `weights_only` (Trainer's best model at the end) — optimizer shards (resharded by
+        DCP at another world size) and schedulers."""
+        resume.load(self, directory, optimizer, scheduler, weights_loaded, weights_only)

@@ -1,0 +1,183 @@
+"""The files of a per-module checkpoint: the completion marker, checks, rotation, and one module's optimizer and
+scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
+
+    <dir>/config.json                 root OmniConfig (module sources recorded)
+    <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
+        config.json, model.safetensors (+ adapter files for LoRA), tokenizer / processor files
+        state/                        optimizer state (`module_state.py`: safetensors shards through DCP, each
+                                      rank its own, no gather; JSON for the rest) + scheduler.json
+    <dir>/scaler.json                 fp16's shared GradScaler state, when there is one
+    <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
+
+What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
+they also serve resume — each rank reads back only its own rows of a sharded module. Optimizer state never
+leaves its shards: DCP reshards it on load, so a checkpoint resumes at another world size.
+Fully frozen modules write nothing; they reload from their recorded source (a module built in memory is written
+once to `<output_dir>/frozen/<module>/`, which becomes its source).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from ..dist import world_size
+
+MARKER = "hf_omni_checkpoint.json"
+SCALER = "scaler.json"
+FORMAT = 2  # 1: module state through DCP's pickled `.metadata` (never loaded: see module_state.py)
+_STEP = re.compile(r"checkpoint-(\d+)$")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_marker(directory: str, info: dict) -> None:
+    """Atomically (temp file + fsync + rename + fsync of the folder) mark `directory` as complete."""
+    tmp = os.path.join(directory, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, MARKER))
+    fsync_dir(directory)
+
+
+def listed_files(directory: str) -> list[str]:
+    """Every file under `directory` (relative paths), the marker excluded."""
+    out = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel not in (MARKER, MARKER + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def read_json(path: str):
+    """A JSON file's value; None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_marker(directory: str) -> dict | None:
+    return read_json(os.path.join(directory, MARKER))
+
+
+def sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_complete(directory: str, verify: bool | None = False) -> dict:
+    """The marker of a complete checkpoint; a clear error for a missing path, a missing or malformed marker, a
+    missing or truncated file, or a file the marker does not list. `verify`: every file's sha256 too (a change that
+    keeps the size); None: when the marker has them."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint {directory} does not exist")
+    try:
+        marker = read_marker(directory)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint {directory}: {MARKER} is not valid JSON ({err})") from None
+    if marker is None:
+        raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise ValueError(f"checkpoint {directory}: {MARKER} has no file list")
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {directory} has format {marker.get('format')!r}, this hf_omni reads format "
+                         f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
+    extra = sorted(set(listed_files(directory)) - set(marker["files"]))
+    if extra:
+        raise ValueError(f"checkpoint {directory}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
+    for rel, size in marker["files"].items():
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise ValueError(f"checkpoint {directory}: {MARKER} lists a path outside it: {rel!r}")
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {directory}: file {rel} is missing")
+        if os.path.getsize(path) != size:
+            raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
+                             f"{size} were written")
+    if verify or (verify is None and "sha256" in marker):
+        digests = marker.get("sha256")
+        if not isinstance(digests, dict) or set(digests) != set(marker["files"]):
+            raise ValueError(f"checkpoint {directory} has no sha256 of its files to verify (saved without "
+                             "verify_checkpoint)")
+        for rel, digest in sorted(digests.items()):
+            if sha256(os.path.join(directory, rel)) != digest:
+                raise ValueError(f"checkpoint {directory}: file {rel} does not match its sha256 (changed after the "
+                                 "save)")
+    return marker
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoints under `run_dir` that carry a marker, oldest step first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        match = _STEP.search(name)
+        path = os.path.join(run_dir, name)
+        if match and os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def newest_complete_checkpoint(run_dir: str) -> str | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple[str, ...] = ()) -> list[str]:
+    """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best` nor one `busy` (being
+    pushed to the Hub); incomplete ones are neither counted nor deleted here. Returns what was deleted."""
+    import shutil
+
+    if not limit or limit <= 0:
+        return []
+    found = complete_checkpoints(run_dir)
+    keep = {found[-1]} if found else set()
+    keep.update(os.path.abspath(p) for p in ((best,) if best else ()) + tuple(busy))
+    deletable = [p for p in found if p not in keep and os.path.abspath(p) not in keep]
+    excess = len(found) - limit
+    deleted = deletable[:max(excess, 0)]
+    for path in deleted:  # the marker first: a deletion cut short leaves an incomplete checkpoint, never a broken one
+        os.remove(os.path.join(path, MARKER))
+        fsync_dir(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
+def save_scaler(scaler, directory: str) -> None:
+    """fp16's GradScaler (one for the whole model) as JSON (rank 0): its scale survives a resume."""
+    if scaler is not None:
+        with open(os.path.join(directory, SCALER), "w") as f:
+            json.dump(scaler.state_dict(), f)
+
+
+def load_scaler(scaler, directory: str) -> None:
+    """Read back `save_scaler`; a checkpoint of a run without one leaves the scaler at its initial scale."""
+    path = os.path.join(directory, SCALER)
+    if scaler is not None and os.path.isfile(path):
+        with open(path) as f:
+            scaler.load_state_dict(json.load(f))
+
+
+def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True,
+                digests: bool = False) -> dict:
+    files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
+    info = {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files,
+            "resumable": resumable}
+    if digests:
+        info["sha256"] = {rel: sha256(os.path.join(directory, rel)) for rel in files}
+    return info

@@ -1,0 +1,209 @@
+"""One module's resume state, `<module>/state/`, none of it pickled:
+
+    shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is,
+                                          through DCP (`shard_writer.ShardWriter`): every rank writes its own
+                                          shards, their offsets in the safetensors header
+    optimizer.json                        param groups and non-tensor per-parameter values (rank 0)
+    scheduler.json                        the scheduler's `state_dict()` (rank 0)
+
+Why: DCP's default layout keeps its metadata in a pickle (`.metadata`), so resuming a downloaded checkpoint could
+run code. Here what a load reads is safetensors headers and JSON: DCP's `HuggingFaceStorageReader` rebuilds the
+metadata from the headers and still reshards at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..modules.weights import file_layout, module_tensors
+
+STATE = "state"
+OPTIMIZER = "optimizer.json"
+SCHEDULER = "scheduler.json"
+
+
+def make_stager():
+    """A DCP stager for async saves, kept per module: it copies the state before the next optimizer step changes
+    it, into buffers it reuses from one save to the next (no fresh allocation on every save)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=gpu))
+
+
+WRITER_THREADS = 2  # files (and threads) per rank and module: bench/checkpoint.py measured 1, 2 and 4
+
+
+def _writer(state_dir: str):
+    from .shard_writer import ShardWriter
+
+    return ShardWriter(state_dir, threads=WRITER_THREADS)
+
+
+def _reader(state_dir: str):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(state_dir)
+
+
+def _json_value(value, where: str):
+    """A param-group or per-parameter value as JSON: tuples become lists, one-element tensors numbers."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{where}: a tensor of shape {tuple(value.shape)} outside the per-parameter state "
+                            "cannot be saved")
+        return value.item()
+    if isinstance(value, tuple):
+        return [_json_value(v, where) for v in value]
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {type(value).__name__} value {value!r} is not JSON") from None
+    return value
+
+
+def _like(value, template):
+    """A JSON value back in the type the live optimizer holds at that place."""
+    if isinstance(template, torch.Tensor):
+        return torch.tensor(value, dtype=template.dtype, device=template.device)
+    if isinstance(template, tuple):
+        return tuple(_like(v, t) for v, t in zip(value, template))
+    return value
+
+
+def split(optim_state: dict, where: str) -> tuple[dict, dict]:
+    """(per-parameter tensors, JSON for the rest) of `get_optimizer_state_dict`'s output."""
+    tensors = {fqn: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
+               for fqn, s in optim_state["state"].items()}
+    scalars = {fqn: {k: _json_value(v, f"{where}: optimizer state {fqn}.{k}") for k, v in s.items()
+                     if not isinstance(v, torch.Tensor)}
+               for fqn, s in optim_state["state"].items()}
+    groups = [{k: (v if k == "params" else _json_value(v, f"{where}: param group {i} {k!r}")) for k, v in g.items()}
+              for i, g in enumerate(optim_state["param_groups"])]
+    return tensors, {"state": scalars, "param_groups": groups}
+
+
+def save_json(value, folder: str, name: str) -> None:
+    """`state/<name>` (rank 0): `optimizer.json` (the JSON half of `optimizer_state`) or any small state."""
+    os.makedirs(os.path.join(folder, STATE), exist_ok=True)
+    with open(os.path.join(folder, STATE, name), "w") as f:
+        json.dump(value, f)
+
+
+def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, pipeline=None,
+                       group=None) -> None:
+    """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
+    Async (`pipeline`, `save_pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
+    optimizer step, into buffers it reuses from one save to the next; the write follows in the same thread, in the
+    same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
+    backend)."""
+    import torch.distributed.checkpoint as dcp
+
+    state_dir = os.path.join(folder, STATE)
+    os.makedirs(state_dir, exist_ok=True)
+    state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors}
+    if pipeline is None:
+        dcp.save(state, storage_writer=_writer(state_dir))
+        return
+    staged = pipeline.stage(stager, state)
+    pipeline.then(lambda: dcp.save(staged(), storage_writer=_writer(state_dir), process_group=group),
+                  f"writing {state_dir}")
+
+
+def save_scheduler(state: dict, folder: str) -> None:
+    """The module's scheduler state in `state/` as JSON (rank 0)."""
+    save_json(_json_value(state, f"{folder}: scheduler"), folder, SCHEDULER)
+
+
+def state_keys(folder: str) -> list[str]:
+    """The sorted tensor keys a module's `state/` holds, read from the safetensors headers (DCP's flattened names:
+    `optimizer.state.<param>.<name>`, `tensors.<name>`)."""
+    return sorted(_reader(os.path.join(folder, STATE)).read_metadata().state_dict_metadata)
+
+
+def load_module_tensors(folder: str, tensors: dict) -> None:
+    """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
+    import torch.distributed.checkpoint as dcp
+
+    if tensors:
+        dcp.load({"tensors": tensors}, storage_reader=_reader(os.path.join(folder, STATE)))
+
+
+def read_state_json(folder: str) -> tuple[dict, dict]:
+    """(`optimizer.json`, `scheduler.json`) of a module's `state/`, read on every rank before any collective: a rank
+    that cannot read them fails alone, and the checkpointer's agreement tells every rank."""
+    state_dir = os.path.join(folder, STATE)
+    out = []
+    for name, kind in ((OPTIMIZER, {"state": dict, "param_groups": list}), (SCHEDULER, {})):
+        path = os.path.join(state_dir, name)
+        try:
+            with open(path) as f:
+                value = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+        if not isinstance(value, dict) or any(not isinstance(value.get(k), t) for k, t in kind.items()):
+            raise ValueError(f"{path} is not an hf_omni {name}")
+        out.append(value)
+    return out[0], out[1]
+
+
+def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict) -> dict:
+    """One module's optimizer state from its `state/`: `template` is the live optimizer's (`ModuleOptimizers.
+    state_dict()[module]`, its tensors shaped as this rank holds them), filled in place from the shards (resharded
+    by DCP at another world size) and `saved` (`optimizer.json`); parameters with no saved state (never stepped)
+    are left out. The module `tensors` the HF files cannot serve are read in place in the same pass."""
+    import torch.distributed.checkpoint as dcp
+
+    state_dir = os.path.join(folder, STATE)
+    live_groups = template["param_groups"]
+    if [g.get("params") for g in saved["param_groups"]] != [g["params"] for g in live_groups]:
+        raise ValueError(f"{state_dir}/{OPTIMIZER}: its param groups hold other parameters than this module's "
+                         "optimizer (another model, or another weight-decay split)")
+    for fqn in [fqn for fqn in template["state"] if fqn not in saved["state"]]:
+        del template["state"][fqn]
+    optim_tensors, _ = split(template, state_dir)
+    loaded = {"optimizer": {"state": optim_tensors}, "tensors": tensors}
+    dcp.load(loaded, storage_reader=_reader(state_dir))
+    for fqn, values in template["state"].items():
+        values.update(loaded["optimizer"]["state"][fqn])
+        values.update({k: _like(v, values.get(k)) for k, v in saved["state"][fqn].items()})
+    for live, saved_group in zip(live_groups, saved["param_groups"]):
+        live.update({k: _like(v, live.get(k)) for k, v in saved_group.items() if k != "params"})
+    return template
+
+
+class ModuleState:
+    """One trainable module's `state/` as the checkpointer keeps it between saves: which of its tensors the HF
+    files cannot serve (`unmapped`, worked out once) and, for async saves, the stager whose buffers are reused."""
+
+    def __init__(self, slot):
+        self.slot = slot
+        self._unmapped: frozenset[str] | None = None
+        self.stager = None
+
+    @property
+    def unmapped(self) -> frozenset[str]:
+        if self._unmapped is None:
+            layout = file_layout(self.slot.module)
+            self._unmapped = frozenset(n for n in module_tensors(self.slot.module) if n not in layout)
+        return self._unmapped
+
+    def unmapped_tensors(self) -> dict:
+        tensors = module_tensors(self.slot.module)
+        return {n: tensors[n].detach() for n in sorted(self.unmapped)}
+
+    def save_tensors(self, folder: str, optimizer_tensors: dict, pipeline=None, group=None) -> None:
+        """The optimizer's tensors and the unmapped ones, every rank its own shards (`save_state_tensors`)."""
+        if pipeline is not None and self.stager is None:
+            self.stager = make_stager()
+        save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), stager=self.stager, pipeline=pipeline,
+                           group=group)
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None

@@ -1,0 +1,104 @@
+"""Reading a per-module checkpoint back into a prepared composed model (what `ModuleCheckpointer.save` wrote).
+
+    checks (marker, files, module set) -> every module's shapes / dtypes -> weights (each rank its own rows)
+    -> optimizer shards (DCP reshards) + optimizer / scheduler JSON -> the Stateful composites -> GradScaler
+
+Every step some rank does alone ends in an agreement (`dist.agreed`), so a rank that fails fails them all.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..config import OmniConfig, module_folder
+from ..dist import agreed, is_main
+from ..modules.weights import read_into, read_through_transformers
+from . import files, module_state
+
+
+def resume_weights_folders(model, directory: str) -> set[str]:
+    """Before `prepare`: modules still on the meta device (`empty_init`) are pointed at the checkpoint (trainable
+    ones) or their recorded source (frozen ones) instead of their initial weights. Returns them."""
+    pending = [slot for slot in model.slots.values() if slot.is_pending]
+    if not pending:
+        return set()
+    config = OmniConfig.from_pretrained(directory)
+    for slot in pending:
+        slot.pend(module_folder(directory, config, slot.name))
+    return {slot.name for slot in pending}
+
+
+def check(checkpointer, directory: str, weights_only: bool = False) -> dict:
+    """Every check of a checkpoint against this model, before anything is loaded (names the module and parameter
+    that differ). `weights_only`: a `save_only_model` checkpoint serves too."""
+    model = checkpointer.model
+    marker = files.check_complete(directory, verify=checkpointer.verify and is_main())  # agreed on by every rank
+    if marker.get("resumable") is False and not weights_only:
+        raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
+                         "optimizer state; it cannot be resumed (load it with from_pretrained)")
+    saved, ours = set(marker["modules"]), set(checkpointer.trainable)
+    if saved != ours:
+        raise ValueError(f"checkpoint {directory} holds trainable modules {sorted(saved)}, this model trains "
+                         f"{sorted(ours)} (missing: {sorted(ours - saved)}, extra: {sorted(saved - ours)})")
+    config = OmniConfig.from_pretrained(directory)
+    if config.module_names != model.module_names:
+        raise ValueError(f"checkpoint {directory} has modules {config.module_names}, the model {model.module_names}")
+    return marker
+
+
+def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset(),
+         weights_only: bool = False) -> None:
+    """`ModuleCheckpointer.load`."""
+    model, group, trainable = checkpointer.model, checkpointer.group, checkpointer.trainable
+    with agreed(f"checking checkpoint {directory}", group):
+        check(checkpointer, directory, weights_only)
+        config = OmniConfig.from_pretrained(directory)
+        folders = {name: module_folder(directory, config, name) for name in model.module_names}
+        for name in trainable:
+            if folders[name] != checkpointer.folder(directory, name):
+                raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
+    saved = {}  # optimizer.json / scheduler.json of each module, read before any weights
+    for name in [] if weights_only else trainable:
+        with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
+            saved[name] = module_state.read_state_json(folders[name])
+    todo = {name: folder for name, folder in folders.items()
+            if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
+    for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
+        for name, folder in todo.items():
+            with agreed(f"module {name!r}: reading {folder}", group):
+                read_weights(checkpointer, name, folder, dry_run)
+    for name, slot in model.slots.items():
+        slot.entry.source = slot.entry.source or config.module_entry(name).source
+    states = checkpointer.states
+    if weights_only:  # the unmapped tensors of a save_only_model checkpoint came through transformers above
+        for name in trainable:
+            if os.path.isdir(os.path.join(folders[name], module_state.STATE)):
+                module_state.load_module_tensors(folders[name], states[name].unmapped_tensors())
+        return
+    live = optimizer.templates()  # this rank's shapes of every module's optimizer state
+    optimizer.load_state_dict({name: module_state.read_optimizer_state(
+        folders[name], live[name], saved[name][0], states[name].unmapped_tensors()) for name in trainable})
+    scheduler.load_state_dict({name: saved[name][1] for name in trainable})
+    files.load_scaler(optimizer.scaler, directory)
+
+
+def read_weights(checkpointer, name: str, folder: str, dry_run: bool) -> None:
+    """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`); a frozen
+    one from its source (through transformers' loading for what the files do not hold as is). A tensor that cannot
+    be restored is an error naming the module and tensor."""
+    module, unmapped = checkpointer.model.slots[name].module, checkpointer.states[name].unmapped
+    if name in checkpointer.trainable and os.path.isdir(os.path.join(folder, module_state.STATE)):  # (else: as a
+        read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)  # frozen one's)
+        kept = set(module_state.state_keys(folder)) if dry_run and unmapped else set()
+        lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
+        if lost:
+            raise ValueError(f"module {name!r}: {folder}/{module_state.STATE} lacks {len(lost)} tensors {lost[:5]}")
+        return
+    missing = read_into(module, folder, module_name=name, dry_run=dry_run)
+    lost = [n for n in missing if n not in unmapped]
+    if lost:
+        raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")
+    if missing and not dry_run:
+        lost = read_through_transformers(module, folder, missing, name)
+        if lost:
+            raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")

@@ -1,0 +1,112 @@
+"""Whether a frozen module loaded from the Hub may be linked (its repo at the recorded commit) instead of uploaded.
+
+It may whenever loading that repo at that commit with the module's class rebuilds the module as pushed: the same
+config, every tensor the module has equal (dtype, shape, values), and its processor the same as the repo's. Keys
+only in the repo's files (a non-persistent buffer such as BERT's `position_ids`, a pooler the module was built
+without, keys the class renames on load) do not count against it.
+
+Decided on the pushing rank from files alone, one tensor at a time: the pushed module folder against the repo's
+files in the local Hub cache (what the load downloaded), never downloading anything. Origin files that are not
+cached (pushing from another machine) mean an upload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+# config keys that say where or how a module was saved or run, not what it is (`use_cache`: Trainer's switch,
+# which OmniTrainer sets on every module as Trainer sets it on its one model)
+BOOKKEEPING = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "_commit_hash", "use_cache"}
+
+
+def cached_origin(repo_id: str, revision: str | None) -> str | None:
+    """The local Hub cache's snapshot of `repo_id` at `revision`, or None when it is not cached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if not revision:
+        return None
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision: str | None,
+                         processor_kind: str | None, name: str) -> bool:
+    """Whether `repo_id` at `revision`, loaded with the module's class (and its processor kind), gives what `folder`
+    holds (see the module docstring)."""
+    origin = cached_origin(repo_id, revision)
+    if origin is None or not os.path.isfile(os.path.join(origin, "config.json")):
+        logger.info("hf_omni: module %r: %s@%s is not in the local Hub cache; uploading it", name, repo_id, revision)
+        return False
+    why = _difference(folder, origin, class_record, processor_kind, name)
+    if why:
+        logger.info("hf_omni: module %r differs from %s@%s (%s); uploading it", name, repo_id, revision, why)
+    return not why
+
+
+def _difference(folder: str, origin: str, class_record: str, processor_kind: str | None, name: str) -> str | None:
+    from ..modules.classes import resolve_module_class
+    from ..modules.empty_init import build_empty
+    from ..modules.weights import SafetensorsIndex, file_layout, module_tensors
+
+    cls = resolve_module_class(class_record, name)
+    mine, repo = SafetensorsIndex.for_weights(folder), SafetensorsIndex.for_weights(origin)
+    ours, theirs = (cls.config_class.from_pretrained(f).to_dict() for f in (folder, origin))
+    for config, files in ((ours, mine), (theirs, repo)):
+        for key in BOOKKEEPING:
+            config.pop(key, None)
+        config["dtype"] = config.get("dtype") or files.first_float_dtype()  # what `dtype="auto"` loads in
+    if ours != theirs:
+        return "config: " + ", ".join(sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)))
+    module = build_empty(cls, folder)
+    layout = file_layout(module)
+    tensors = module_tensors(module)
+    if set(tensors) - set(layout):
+        return "tensors its files do not hold as they are"
+    for tensor, (_, keys) in layout.items():
+        a = next((k for k in keys if k in mine), None)
+        b = next((k for k in keys if k in repo), None)
+        if a is None or b is None:
+            return f"{tensor} is missing"
+        x, y = mine.read(a), repo.read(b)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            return f"{tensor} differs"
+    if processor_kind is not None and not _same_processor(processor_kind, folder, origin):
+        return "its processor"
+    return None
+
+
+def _same_processor(kind: str, folder: str, origin: str) -> bool:
+    """Both processors loaded and saved again compare equal file by file (saving normalises the files; a fast
+    tokenizer's `truncation` / `padding` are per-call state its wrapper sets on every call, not part of it)."""
+    from ..modules.folder import load_processor
+
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        try:
+            load_processor(origin, kind).save_pretrained(b)
+        except (OSError, ValueError):  # the repo has no such processor: the pushed one is not from it
+            return False
+        load_processor(folder, kind).save_pretrained(a)
+        names = sorted(os.listdir(a))
+        return names == sorted(os.listdir(b)) and all(
+            _saved_file(os.path.join(a, n)) == _saved_file(os.path.join(b, n)) for n in names)
+
+
+def _saved_file(path: str):
+    with open(path, "rb") as f:
+        data = f.read()
+    if not path.endswith(".json"):
+        return data
+    value = json.loads(data)
+    if os.path.basename(path) == "tokenizer.json" and isinstance(value, dict):
+        value.pop("truncation", None)
+        value.pop("padding", None)
+    return value

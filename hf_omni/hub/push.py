@@ -1,0 +1,204 @@
+"""Push a saved composed model (an export, or a checkpoint's module folders) to the Hub, one commit per repo.
+
+`hub_layout: per_module` (default): each uploaded module to its own repo (`<repo_id>-<module>`, or the module's
+`hub_model_id`), loadable alone with its Auto class, then the composition repo `<repo_id>`: the root `config.json`
+pointing at each module's repo and the commit just made there (or, for a linked module, the commit it was loaded
+at). `single`: one repo, the root config plus a subfolder per uploaded module.
+
+Linked, not uploaded: a module recorded as loaded from the Hub (`hub_repo`) and not trained in the run
+(`trained: false`). A module whose training is unknown is uploaded (the composition must load elsewhere).
+Per-module `push_to_hub: true | false` overrides; `false` links to its `hub_model_id` or its Hub origin.
+Modules are pushed first and the composition last, so it never points at a commit that does not exist; a failed
+push raises `HubPushError` naming the module and repo, and pushing again completes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from ..config import OmniConfig, module_folder, repo_id_error
+from ..modules.folder import module_files
+from .cards import composition_card, module_card, read_summary
+from .ids import LAYOUTS
+from .link import rebuilds_from_origin
+
+logger = logging.getLogger(__name__)
+
+
+class HubPushError(RuntimeError):
+    """A push to the Hub failed: names the module (or the composition) and the repo."""
+
+
+@dataclass
+class ModulePush:
+    name: str
+    link: bool              # linked (not uploaded): `repo_id` at `revision`
+    repo_id: str            # its own repo (per_module, or linked), or the composition repo (single)
+    revision: str | None = None
+    folder: str | None = None
+
+
+def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str, overrides: dict | None) -> list[ModulePush]:
+    """What happens to every module, checked before anything is sent (errors name the module and key)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"hub_layout must be one of {LAYOUTS}, got {layout!r}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(config.module_names))
+    if unknown:
+        raise ValueError(f"push: modules {unknown} are not modules of this model {config.module_names}")
+    plans = []
+    for entry in config.modules:
+        name, own = entry.name, overrides.get(entry.name) or {}
+        want, own_repo = own.get("push_to_hub"), own.get("hub_model_id")
+        origin = entry.hub_repo
+        link = want is False or (want is None and entry.trained is False and origin is not None
+                                 and root is not None
+                                 and rebuilds_from_origin(module_folder(root, config, name), entry.cls, origin,
+                                                          entry.hub_revision, entry.processor, name))
+        if link:
+            target = own_repo or (origin if entry.trained is False else None)
+            if target is None:
+                raise ValueError(f"module {name!r}: push_to_hub is false but it has no Hub repo to link (it was "
+                                 "trained, or not loaded from the Hub): set modules."
+                                 f"{name}.hub_model_id to the repo that holds it")
+            revision = entry.hub_revision if target == origin else None
+            plans.append(ModulePush(name, True, target, revision))
+            continue
+        target = (own_repo or f"{repo_id}-{name}") if layout == "per_module" else repo_id
+        try:
+            folder = module_folder(root, config, name) if root is not None else None  # None: a check only
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"module {name!r}: nothing to upload ({err})") from None
+        plans.append(ModulePush(name, False, target, folder=folder))
+    for plan in plans:
+        if repo_id_error(plan.repo_id):
+            raise ValueError(f"module {plan.name!r}: {plan.repo_id!r} is not a Hub repo id "
+                             f"({repo_id_error(plan.repo_id)})")
+    targets = [p.repo_id for p in plans if not p.link and layout == "per_module"]
+    clash = sorted({t for t in targets if targets.count(t) > 1 or t == repo_id})
+    if clash:
+        raise ValueError(f"push: modules would share the repos {clash} (with each other or the composition "
+                         f"{repo_id}): set distinct modules.<name>.hub_model_id")
+    return plans
+
+
+def module_operations(folder: str, prefix: str, card: str | None, own_repo: str | None = None) -> list:
+    """A module folder's HF files (and its card) under `prefix`. In its own repo a LoRA module's adapter config
+    names that repo as its base model: the base weights are beside the adapter, and `from_pretrained(repo)` reads
+    an adapter's base from `base_model_name_or_path` (a local folder is exempt, a repo is not)."""
+    from huggingface_hub import CommitOperationAdd
+
+    ops = []
+    for n in module_files(folder):
+        content = os.path.join(folder, n)
+        if n == "adapter_config.json" and own_repo is not None:
+            with open(content) as f:
+                content = json.dumps({**json.load(f), "base_model_name_or_path": own_repo}, indent=2).encode()
+        ops.append(CommitOperationAdd(f"{prefix}{n}", content))
+    return ops + ([CommitOperationAdd(f"{prefix}README.md", card.encode())] if card is not None else [])
+
+
+def folder_operations(folders: dict[str, str]) -> list:
+    """Each local folder added under its path in the repo (what a previous push left there is deleted by `commit`:
+    `last-checkpoint/` must not keep another world size's shards)."""
+    from huggingface_hub import CommitOperationAdd
+
+    ops = []
+    for path_in_repo, folder in folders.items():
+        for base, _, names in os.walk(folder):
+            for n in sorted(names):
+                local = os.path.join(base, n)
+                rel = os.path.relpath(local, folder).replace(os.sep, "/")
+                content = scrubbed_config(local) if rel == "config.json" else local  # no local path leaves
+                ops.append(CommitOperationAdd(f"{path_in_repo}/{rel}", content))
+    return ops
+
+
+def scrubbed_config(path: str) -> bytes:
+    """A root config without the local `source` paths of its modules."""
+    with open(path) as f:
+        config = json.load(f)
+    config["modules"] = [{**m, "source": None} for m in config.get("modules", [])]
+    return json.dumps(config, indent=2, sort_keys=True).encode()
+
+
+def commit(api, repo_id: str, operations: list, message: str, what: str, token, private, revision,
+           managed=lambda path: path != ".gitattributes") -> str:
+    """One commit to `repo_id` (created if missing; `revision` a branch created from main if missing). Files a
+    previous push left under the paths this push manages (`managed(path)`) and does not write again are deleted in
+    the same commit: a stale adapter or shard must not load beside the new weights."""
+    from huggingface_hub import CommitOperationDelete
+
+    try:
+        api.create_repo(repo_id, token=token, private=private, exist_ok=True)
+        if revision not in (None, "main"):
+            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+        added = {op.path_in_repo for op in operations}
+        existing = api.list_repo_files(repo_id, revision=revision, token=token)
+        operations = operations + [CommitOperationDelete(p) for p in existing if p not in added and managed(p)]
+        info = api.create_commit(repo_id, operations, commit_message=message, token=token, revision=revision)
+    except Exception as err:  # network, HTTP or file errors: one error naming what was pushed where
+        raise HubPushError(f"{what}: pushing to {repo_id} failed: {type(err).__name__}: {err}") from err
+    return info.oid
+
+
+def push_saved(root: str, repo_id: str, *, layout: str = "per_module", modules: dict | None = None,
+               token: str | None = None, private: bool | None = None, revision: str | None = None,
+               commit_message: str = "Upload with hf_omni", extra_folders: dict[str, str] | None = None,
+               pushed: dict[str, tuple[str, str]] | None = None, cards: bool = True) -> dict[str, str]:
+    """Push the composed model saved at `root` (`config.json` + module folders, or a checkpoint) to `repo_id`.
+
+    `modules`: per-module `{push_to_hub, hub_model_id}`; `extra_folders`: `{path_in_repo: folder}` added to the
+    composition's commit (a checkpoint under `last-checkpoint/`); `pushed`: `{module: (repo, commit)}` of modules
+    already uploaded unchanged (a frozen module, by an earlier push of this run), updated in place.
+    Returns `{repo_id: commit}` of the commits made."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.utils import tqdm
+
+    config = OmniConfig.from_pretrained(root)
+    plans = plan_modules(root, config, repo_id, layout, modules)
+    summary = read_summary(root)
+    pushed = pushed if pushed is not None else {}
+    api, commits, entries = HfApi(), {}, []
+    composition_ops = []
+    own = [p for p in plans if not p.link and layout == "per_module"]
+    with tqdm(total=len(own) + 1, desc=f"pushing to {repo_id}", unit="repo") as bar:
+        for plan in plans:
+            entry = dataclasses.replace(config.module_entry(plan.name), source=None)  # no local path leaves
+            subfolder = entry.subfolder if layout == "single" and not plan.link else None
+            card = module_card(entry, plan.folder, plan.repo_id, repo_id, config.omni_class, summary,
+                               subfolder) if cards else None
+            if plan.link:
+                entry.hub_repo, entry.hub_revision = plan.repo_id, plan.revision
+            elif layout == "single":
+                composition_ops += module_operations(plan.folder, f"{entry.subfolder}/", card)
+                entry.hub_repo, entry.hub_revision = None, None
+            else:
+                done = pushed.get(plan.name)
+                if done is None or done[0] != plan.repo_id or entry.trained is not False:
+                    ops = module_operations(plan.folder, "", card, own_repo=plan.repo_id)
+                    oid = commit(api, plan.repo_id, ops, commit_message, f"module {plan.name!r}", token, private,
+                                 revision)
+                    commits[plan.repo_id] = oid
+                    pushed[plan.name] = (plan.repo_id, oid)
+                entry.hub_repo, entry.hub_revision = plan.repo_id, pushed[plan.name][1]
+                bar.update(1)
+            entries.append(entry)
+        with open(os.path.join(root, "config.json")) as f:
+            root_config = json.load(f)
+        root_config["modules"] = [e.to_dict() for e in entries]  # each checked as any root config's entries
+        composition_ops.append(CommitOperationAdd("config.json", json.dumps(root_config, indent=2,
+                                                                            sort_keys=True).encode()))
+        if cards:
+            card = composition_card(repo_id, entries, config.omni_class, summary, [p.repo_id for p in plans if p.link])
+            composition_ops.append(CommitOperationAdd("README.md", card.encode()))
+        composition_ops += folder_operations(extra_folders or {})
+        prefixes = tuple(f"{e.subfolder}/" for e in entries) + tuple(f"{p}/" for p in extra_folders or {})
+        commits[repo_id] = commit(api, repo_id, composition_ops, commit_message, "the composition", token, private,
+                                  revision, managed=lambda p: p in ("config.json", "README.md") or p.startswith(prefixes))
+        bar.update(1)
+    return commits

@@ -1,0 +1,158 @@
+"""One module as a Hugging Face folder: write it (config, weights, processor, LoRA adapter), load it back (whole,
+or on the meta device for `empty_init`), copy it.
+
+A module wrapped in place (FSDP2 / composable replicate) has a generated subclass; the folder records
+the module's original class so that `AutoModel*.from_pretrained(folder)` and `OmniModel` find it.
+A LoRA module (adapters injected in place with PEFT) is written as its base weights plus
+`adapter_config.json` + `adapter_model.safetensors`, as `PeftModel.save_pretrained` would write them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..dist import agreed, is_main
+from .classes import original_class, save_view
+from .empty_init import build_empty
+from .lora import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, has_adapter, load_adapter, lora_config_of,
+    merged_module,
+)
+
+PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
+
+
+def record_original_class(folder: str, cls: type) -> None:
+    """`save_pretrained` of a wrapped module records the wrapper subclass; record the module's own class."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("architectures") != [cls.__name__]:
+        config["architectures"] = [cls.__name__]
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+
+def processor_kind(processor: Any) -> str:
+    from transformers import FeatureExtractionMixin, ImageProcessingMixin, PreTrainedTokenizerBase, ProcessorMixin
+
+    if isinstance(processor, PreTrainedTokenizerBase):
+        return "tokenizer"
+    if isinstance(processor, ProcessorMixin):
+        return "processor"
+    if isinstance(processor, ImageProcessingMixin):
+        return "image_processor"
+    if isinstance(processor, FeatureExtractionMixin):
+        return "feature_extractor"
+    raise TypeError(f"unsupported processor type {type(processor).__name__}")
+
+
+def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
+                merge_lora: bool = False, pipeline=None) -> None:
+    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them), from its full
+    `state` (`ModuleSlot.full_state()`, gathered on every rank; the main process calls this). With a `pipeline`
+    (`checkpoint.pipeline.SavePipeline`, async saves), the tensors are snapshotted and the files written in its
+    thread."""
+    lora = lora_config_of(module)
+    if lora is not None and merge_lora:
+        module, lora = merged_module(module, state), None
+        weights = module.state_dict()
+    else:
+        weights = base_state_dict(state)
+    adapter = adapter_state_dict(module, state) if lora is not None else None
+    if pipeline is None:
+        weights, adapter = (on_cpu(t) if t is not None else None for t in (weights, adapter))
+        return write_module_files(module, folder, weights, lora, adapter, processor)
+    weights, adapter = (pipeline.snapshot(t) if t is not None else (lambda: None) for t in (weights, adapter))
+    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor),
+                  f"writing {folder}")
+
+
+def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+
+def write_module_files(module, folder, weights, lora, adapter, processor) -> None:
+    os.makedirs(folder, exist_ok=True)
+    save_view(module).save_pretrained(folder, state_dict=weights)
+    record_original_class(folder, original_class(module))
+    for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if os.path.exists(os.path.join(folder, stale)):
+            os.remove(os.path.join(folder, stale))
+    if adapter is not None:
+        lora.base_model_name_or_path = None
+        lora.save_pretrained(folder)
+        save_file(adapter, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if processor is not None:
+        processor.save_pretrained(folder)
+
+
+def load_processor(folder: str, kind: str):
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    auto = {"tokenizer": AutoTokenizer, "processor": AutoProcessor, "image_processor": AutoImageProcessor,
+            "feature_extractor": AutoFeatureExtractor}[kind]
+    return auto.from_pretrained(folder)
+
+
+MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                "adapter_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
+                "merges.txt", "*.model", "chat_template*", "preprocessor_config.json", "*processor_config.json",
+                "feature_extractor_config.json", "video_preprocessor_config.json")
+
+
+def module_files(folder: str) -> list[str]:
+    """The names of a module folder's HF files (`MODULE_FILES`, regular files, no links), sorted."""
+    import fnmatch
+
+    return sorted(n for n in os.listdir(folder) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
+                  and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+
+
+def copy_module_folder(folder: str, out: str) -> list[str]:
+    """Copy a module's HF files (config, weights, adapter, processor — the names in `MODULE_FILES`, regular files
+    only) from `folder` to `out`; nothing else of the folder (a checkpoint's `state/`, links, stray files)."""
+    import shutil
+
+    names = module_files(folder)
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        shutil.copy2(os.path.join(folder, name), os.path.join(out, name))
+    return names
+
+
+def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = False, **kwargs) -> nn.Module:
+    """One module back from its folder: built on the meta device (`empty_init`: it is read once wrapped), or loaded
+    by its class's `from_pretrained(folder, **kwargs)` with a LoRA adapter beside the weights injected (merged into
+    plain weights by PEFT with `merge_lora`)."""
+    if empty_init:
+        return build_empty(module_cls, folder)
+    module = module_cls.from_pretrained(folder, **kwargs)
+    if has_adapter(folder):
+        load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
+        if merge_lora:
+            device = next(module.parameters()).device
+            module = merged_module(module, dict(module.state_dict())).to(device)
+    return module
+
+
+def write_frozen_source(slot, output_dir: str | None, group) -> None:
+    """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
+    which becomes its recorded source (every rank calls this; rank 0 writes)."""
+    if slot.entry.source:
+        return
+    if not output_dir:
+        raise ValueError(f"module {slot.name!r} is frozen and was built in memory: saving it needs an output_dir "
+                         "(args.output_dir, or OmniPlugin(output_dir=...))")
+    folder = os.path.abspath(os.path.join(output_dir, "frozen", slot.name))
+    state = slot.full_state()
+    with agreed(f"module {slot.name!r}: writing {folder}", group):
+        if is_main():
+            save_module(slot.module, folder, state, slot.processor)
+    slot.record_source(folder)

@@ -1,0 +1,107 @@
+"""One module's place in the composed model: what the root config records of it (`entry`), where it is in its life
+(`stage`), and what a run decided for it (its resolved arguments, whether it trains, its parallel strategy, its
+offline encoder). `OmniModel` owns one slot per module; every other part asks the slot.
+
+    BUILT ──────────────────────────────────────────────► WRAPPED   (prepared: its strategy applied)
+    PENDING (empty_init: on meta, weights in a folder) ──► BUILT     (read whole: to encode its offline cache)
+                                                       └─► WRAPPED   (sharded on meta, then each rank reads its rows)
+    BUILT | PENDING ─────────────────────────────────────► RELEASED  (offline: on meta for good, its outputs cached)
+
+A PENDING module may be pointed at another folder (a checkpoint to resume from) before it is read; a module WRAPPED
+with nothing applied (no process group) may be prepared again.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..config import ModuleEntry
+
+
+class Stage(enum.Enum):
+    BUILT = "built"
+    PENDING = "pending weights"
+    RELEASED = "released"
+    WRAPPED = "wrapped"
+
+
+NEXT = {Stage.BUILT: {Stage.WRAPPED, Stage.RELEASED}, Stage.PENDING: {Stage.PENDING, Stage.BUILT, Stage.WRAPPED,
+                                                                     Stage.RELEASED},
+        Stage.RELEASED: set(), Stage.WRAPPED: set()}
+
+
+@dataclass(eq=False)
+class ModuleSlot:
+    """A module of the composed model and everything kept about it."""
+
+    entry: ModuleEntry
+    module: nn.Module
+    processor: Any = None
+    stage: Stage = Stage.BUILT
+    weights: str | None = None  # PENDING: the folder its weights are read from
+    args: Any = None  # its resolved `ModuleArguments` (set by the plugin)
+    trains: bool = False  # set when prepared: something in it still requires grad after freezing and LoRA
+    strategy: Any = None  # WRAPPED: its `parallel.strategy.Strategy` (none, ddp, fsdp)
+    encoder: Any = None  # `offline_modules`: its `@offline_encoder` spec
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def _move(self, stage: Stage) -> None:
+        if stage not in NEXT[self.stage]:
+            raise RuntimeError(f"module {self.name!r} is {self.stage.value}: it cannot become {stage.value}")
+        self.stage = stage
+
+    def pend(self, folder: str) -> None:
+        """Its weights come from `folder` once it is allocated (empty_init; again for a checkpoint)."""
+        if self.stage is Stage.BUILT and any(not p.is_meta for p in self.module.parameters()):
+            raise RuntimeError(f"module {self.name!r} holds its weights already: it cannot wait for {folder}")
+        self.stage, self.weights = Stage.PENDING, folder
+
+    def filled(self) -> None:
+        """Read whole from its folder, unwrapped (to encode its offline cache)."""
+        self._move(Stage.BUILT)
+        self.weights = None
+
+    def wrapped(self, strategy) -> None:
+        """A strategy applied. A module prepared before with nothing applied (no process group) may be prepared
+        again (a second run with the same model); one that is sharded or replicated may not."""
+        if not (self.stage is Stage.WRAPPED and self.strategy.name == "none"):
+            self._move(Stage.WRAPPED)
+        self.strategy, self.weights = strategy, None
+
+    def released(self) -> None:
+        """Every tensor moves to the meta device for good (the Parameter objects stay; their data is dropped)."""
+        self._move(Stage.RELEASED)
+        self.module.to("meta")
+        self.weights = None
+
+    @property
+    def is_pending(self) -> bool:
+        return self.stage is Stage.PENDING
+
+    @property
+    def is_released(self) -> bool:
+        return self.stage is Stage.RELEASED
+
+    @property
+    def kind(self) -> str:
+        """How it runs: its strategy's name, "offline", or "none" before it is prepared."""
+        if self.is_released:
+            return "offline"
+        return self.strategy.name if self.strategy is not None else "none"
+
+    def full_state(self) -> dict:
+        """Its full state dict; every rank calls this (a sharded module is gathered to rank 0, the others get {})."""
+        return self.strategy.full_state_dict(self.module) if self.strategy is not None else self.module.state_dict()
+
+    def record_source(self, folder: str) -> None:
+        """A module with no recorded source takes `folder` (made absolute) as the one its weights come from."""
+        if not self.entry.source:
+            self.entry.source = os.path.abspath(folder)

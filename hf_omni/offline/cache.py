@@ -1,0 +1,217 @@
+"""The offline cache of one module's outputs on one dataset split, a `datasets` Arrow dataset on disk:
+
+    <offline_cache_dir>/<module>-<split>/
+        manifest.json   fingerprint (each part apart, so a stale cache names what changed), rows, columns
+        part-<rank>/    `save_to_disk` of the rows that rank encoded: row (source index), value (the output row's
+                        bytes, dtype kept exactly — bf16 included; null for a row without input), shape, dtype
+
+Written to `<module>-<split>.partial/` and renamed when every rank's part is complete: a killed encode never looks
+valid. Read memory-mapped (`load_from_disk`), each row found by its source index.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from ..checkpoint.shard_writer import raw_bytes
+from ..dist import agreed, is_main, rank, world_size
+from ..progress import each
+
+MANIFEST = "manifest.json"
+
+
+# -- fingerprint ------------------------------------------------------------------------------------------
+def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(raw_bytes(tensor))
+    return digest.hexdigest()
+
+
+def files_hash(folder: str) -> str:
+    """The content of a module folder's weight files (what an `empty_init` module will be read from)."""
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+        with open(os.path.join(folder, name), "rb") as f:
+            digest.update(name.encode() + hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def dataset_hash(dataset, columns: tuple[str, ...]) -> str:
+    """A `datasets.Dataset`: its own fingerprint (it changes with every transform); any other map-style dataset:
+    the content of `columns` in every row (one pass over them)."""
+    from ..compat import dataset_fingerprint
+
+    fingerprint = dataset_fingerprint(dataset)
+    if fingerprint is not None:
+        return f"datasets:{fingerprint}:{len(dataset)}"
+    digest = hashlib.sha256(str(len(dataset)).encode())
+    for index in range(len(dataset)):
+        row = dataset[index]
+        for column in columns:
+            value = row.get(column)
+            value = torch.as_tensor(value) if value is not None else None
+            digest.update(f"{column}|{None if value is None else (value.dtype, tuple(value.shape))}|".encode())
+            if value is not None:
+                digest.update(raw_bytes(value))
+    return digest.hexdigest()
+
+
+def code_hash(obj) -> str:
+    """A function's source (its bytecode where no source file exists); an object's class and repr."""
+    target = getattr(obj, "encoder_function", obj)
+    if callable(target) and hasattr(target, "__code__"):
+        try:
+            text = inspect.getsource(target)
+        except OSError:  # defined where no source file exists (an interactive session)
+            text = target.__code__.co_code.hex()
+    else:
+        text = f"{type(obj).__module__}.{type(obj).__qualname__}:{obj!r}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict[str, str]:
+    """What the cached outputs depend on. `folder`: where an `empty_init` module's weights are (else its tensors
+    in memory are hashed); `collator`: what batches the inputs."""
+    import importlib
+
+    import transformers
+
+    module = getattr(model, spec.module)
+    config = {k: v for k, v in module.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    dtypes = sorted({str(t.dtype) for t in list(module.parameters()) + list(module.buffers())})
+    return {"weights": files_hash(folder) if folder else tensors_hash(dict(module.state_dict())),
+            "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+            "dtype": ",".join(dtypes),
+            "encoder": code_hash(getattr(type(model), spec.method)),
+            "collator": code_hash(collator),
+            "dataset": dataset_hash(dataset, spec.inputs),
+            "hf_omni": importlib.import_module(__package__.split(".")[0]).__version__,
+            "transformers": transformers.__version__}
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+class Cache:
+    """A complete cache, memory-mapped; `row(i)`: the output for source row i (None: the row had no input)."""
+
+    def __init__(self, folder: str, rows: int):
+        from datasets import concatenate_datasets, load_from_disk
+
+        parts = sorted(p for p in os.listdir(folder) if p.startswith("part-"))
+        self.data = concatenate_datasets([load_from_disk(os.path.join(folder, p)) for p in parts])
+        index = np.asarray(self.data["row"], dtype=np.int64)
+        if len(index) != rows or not np.array_equal(np.sort(index), np.arange(rows)):
+            raise ValueError(f"offline cache {folder}: its rows are not each source row once (corrupt)")
+        self.position = np.empty(rows, dtype=np.int64)
+        self.position[index] = np.arange(rows)
+
+    def row(self, index: int) -> torch.Tensor | None:
+        return self.rows([index])[0]
+
+    def rows(self, indices: list[int]) -> list[torch.Tensor | None]:
+        """Many rows in one Arrow read (a batch's worth)."""
+        items = self.data[self.position[np.asarray(indices, dtype=np.int64)].tolist()]
+        return [None if value is None else
+                torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape) if value else
+                torch.empty(shape, dtype=getattr(torch, dtype))  # an empty output row: frombuffer refuses 0 bytes
+                for value, dtype, shape in zip(items["value"], items["dtype"], items["shape"])]
+
+
+def read_manifest(folder: str) -> dict | None:
+    """A cache's manifest; None when absent or unreadable (then the cache is not valid and is recomputed)."""
+    from ..checkpoint.files import read_json
+
+    try:
+        manifest = read_json(os.path.join(folder, MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def changes(manifest: dict | None, want: dict, rows: int) -> list[str]:
+    """What differs between a cache's manifest and what it should be ([] : valid)."""
+    if manifest is None:
+        return ["no complete cache"]
+    have = manifest.get("fingerprint")
+    if not isinstance(have, dict):
+        return ["no complete cache"]
+    changed = [key for key in want if have.get(key) != want[key]]
+    return changed + (["rows"] if manifest.get("rows") != rows else [])
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict:
+    """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs."""
+    method = functools.partial(getattr(type(model), spec.method).encoder_function, model)  # no cross-rank step
+    out = {"row": [], "value": [], "shape": [], "dtype": []}
+    mine = list(range(rank(), len(dataset), world_size()))
+    for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):
+        chunk = mine[start:start + batch_size]
+        items = [dataset[i] for i in chunk]
+        have = [j for j, item in enumerate(items) if all(item.get(c) is not None for c in spec.inputs)]
+        values: dict[int, torch.Tensor] = {}
+        if have:
+            batch = collator([{c: items[j][c] for c in spec.inputs} for j in have])
+            result = method(**{c: torch.as_tensor(batch[c]).to(device) for c in spec.inputs})
+            if not isinstance(result, torch.Tensor) or result.shape[0] != len(have):
+                raise ValueError(f"offline encoder {spec.method} (module {spec.module!r}) must return a tensor with "
+                                 f"one row per input row ({len(have)}), got {getattr(result, 'shape', type(result))}")
+            result = result.detach().cpu()
+            values = {j: result[k] for k, j in enumerate(have)}
+        for j, index in enumerate(chunk):
+            value = values.get(j)
+            out["row"].append(index)
+            out["value"].append(np.frombuffer(raw_bytes(value), dtype=np.uint8) if value is not None else None)
+            out["shape"].append(list(value.shape) if value is not None else [])
+            out["dtype"].append(str(value.dtype).removeprefix("torch.") if value is not None else "")
+    return out
+
+
+def arrow_columns(rows: dict) -> dict:
+    """`encode_rows`' output as Arrow arrays; the values one buffer with offsets (no per-row Python bytes)."""
+    import pyarrow as pa
+
+    values = rows["value"]
+    lengths = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    data = np.concatenate([v for v in values if v is not None] or [np.zeros(0, np.uint8)])
+    valid = None if all(v is not None for v in values) else pa.array([v is not None for v in values]).buffers()[1]
+    value = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(values),
+                                             [valid, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return {"row": pa.array(rows["row"], pa.int64()), "value": value,
+            "shape": pa.array(rows["shape"], pa.list_(pa.int64())), "dtype": pa.array(rows["dtype"], pa.string())}
+
+
+def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_size: int, device, group) -> None:
+    """Every rank encodes its rows into `<folder>.partial/part-<rank>`; then rank 0 writes the manifest and renames
+    the folder into place (the previous, stale cache removed first)."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    partial = folder + ".partial"
+    with agreed(f"offline cache: preparing {partial}", group):
+        if is_main():
+            shutil.rmtree(partial, ignore_errors=True)  # left by an encode that was killed
+            os.makedirs(partial)
+    with agreed(f"module {spec.module!r}: encoding into {partial}", group):
+        rows = encode_rows(model, spec, dataset, collator, batch_size, device)
+        features = Features({"row": Value("int64"), "value": Value("large_binary"), "shape": Sequence(Value("int64")),
+                             "dtype": Value("string")})
+        Dataset.from_dict(arrow_columns(rows), features=features).save_to_disk(os.path.join(partial, f"part-{rank():05d}"))
+    with agreed(f"offline cache: writing {folder}", group):
+        if is_main():
+            with open(os.path.join(partial, MANIFEST), "w") as f:
+                json.dump({"module": spec.module, "inputs": list(spec.inputs), "output": spec.output,
+                           "rows": len(dataset), "fingerprint": want}, f, indent=2)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(partial, folder)

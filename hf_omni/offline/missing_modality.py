@@ -1,0 +1,224 @@
+"""Batches where some ranks have no input for a module (a text-only batch on one rank, images on another).
+
+A sharded or replicated module runs collectives (FSDP all-gathers in forward, gradient reductions in backward)
+that every rank must enter. The module's `@offline_encoder` method is its entry point: every rank calls it at the
+same point of `forward`, and a rank with no input passes `None` (or 0 rows) for its inputs. Then, with the modules
+prepared over more than one rank:
+
+- every rank first shares which inputs it has, with their shapes and dtypes (one small all-gather);
+- where some rank has none, the first rank that has them broadcasts row 0 of each input, and a rank without input
+  runs the method on that row, twice (two rows: BatchNorm needs more than one value per channel), and returns the
+  output's first 0 rows, still in the graph. The buffers the dummy changed (BatchNorm's running statistics) are
+  put back, after forward and again at the end of backward (activation checkpointing runs forward again);
+- when no rank has an input, every rank returns `None` (the module is skipped everywhere, as one process would),
+  except at the last micro-step of an accumulation window in which the method ran: then every rank runs the
+  dummy (on the last row it saw), so the window's gradients are still reduced.
+
+The 0 rows are also added (as `sum()`, which is 0) to the `forward`'s loss (or, without one, to its first output
+that needs a gradient), so the module's backward and its gradient reductions run on every rank even when
+`forward` drops them; the dummy contributes zero gradients. An offline module (on the meta device, its cached
+outputs fed to `forward` instead) runs nothing, but the modules after it do: before `forward`, every rank shares
+which cached outputs it was given, and the entry point returns 0 rows shaped like another rank's outputs.
+
+A `forward` that skips a sharded or replicated module on some ranks without going through the entry point pairs
+the ranks' collectives wrongly: with gloo the run aborts on a size mismatch (checked: 4 ranks, vision sharded),
+with NCCL it waits until the process group's timeout (`ddp_timeout`) or, where sizes happen to match, exchanges
+the wrong tensors. Inputs' first dimension is the sample (as for the offline cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from ..compat import queue_backward_callback
+from ..dist import world_size
+from ..dtypes import CODES
+from .spec import class_encoders
+
+MAX_DIMS = 8
+PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 0-row outputs its forward must keep
+CACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {offline module: (shape, dtype) | None}
+WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: a sample it ran on, this window}
+
+
+def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
+    """`fn(model, *args, **kwargs)`, the `@offline_encoder` method of module `spec.module`, as described above."""
+    bound = inspect.signature(fn).bind(model, *args, **kwargs)
+    inputs = {column: bound.arguments.get(column) for column in spec.inputs}
+    present = [c for c, v in inputs.items() if v is not None and not (isinstance(v, torch.Tensor) and not len(v))]
+    if present and len(present) != len(inputs):
+        raise ValueError(f"module {spec.module!r}: {spec.method} got {present} but None for "
+                         f"{[c for c in inputs if c not in present]}; a sample without this modality passes None "
+                         "for every input")
+    if not runs_collectives(model):
+        return fn(*bound.args, **bound.kwargs) if present else None
+    prepared = model.prepared
+    if model.slots[spec.module].is_released:  # ranks given cached outputs never call it: no exchange
+        if present:
+            return fn(*bound.args, **bound.kwargs)
+        if spec.module not in CACHED.get(model, {}):
+            raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
+        row = CACHED[model][spec.module]
+        return None if row is None else torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
+    donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, comm_device(prepared))
+    sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
+    if present:
+        in_window(model, spec, {c: inputs[c][:1].detach().clone() for c in spec.inputs})
+        return tensor_output(spec, fn(*bound.args, **bound.kwargs))
+    sample = in_window(model, spec, sample)
+    if sample is None:  # no rank has an input (and no window to close): skipped everywhere
+        return None
+    for column, row in sample.items():
+        bound.arguments[column] = torch.cat([row, row]).to(prepared.device)
+    return dummy_rows(model, spec, fn, bound)
+
+
+def dummy_rows(model, spec, fn, bound):
+    """The method on the dummy; its first 0 rows, joined to the forward's loss. The buffers the dummy changed are
+    put back now, and again at the end of backward (to what they were when backward reached the dummy)."""
+    before = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    out = tensor_output(spec, fn(*bound.args, **bound.kwargs))
+    touched = [(b, saved) for b, saved in before if not torch.equal(b, saved)]
+    restore(touched)
+    rows = out[:0]
+    if rows.requires_grad and touched:  # activation checkpointing re-runs the dummy's forward in backward
+
+        def at_backward(grad):
+            again = [(b, b.detach().clone()) for b, _ in touched]
+            queue_backward_callback(lambda: restore(again))
+
+        rows.register_hook(at_backward)
+    PENDING.setdefault(model, []).append(rows)
+    return rows
+
+
+def restore(saved: list) -> None:
+    """`.data`: no version bump (autograd saved BatchNorm's statistics; training-mode backward uses the batch's)."""
+    for buffer, value in saved:
+        buffer.data.copy_(value)
+
+
+def tensor_output(spec, out):
+    if not isinstance(out, torch.Tensor) or out.ndim == 0:
+        raise ValueError(f"module {spec.module!r}: {spec.method} must return a tensor with one row per input row "
+                         f"(a rank without input gets its first 0 rows), got {type(out).__name__}")
+    return out
+
+
+def in_window(model, spec, sample):
+    """`sample` (what this call runs on; None: nothing), or, when no rank has an input at the last micro-step of an
+    accumulation window in which the method ran, the window's last sample: the modules it feeds must still join
+    the gradient reduction. The window ends at that step. Every rank decides alike (they call in lockstep)."""
+    window = WINDOW.setdefault(model, {})
+    if not torch.is_grad_enabled():
+        return sample
+    if sample is None and model.prepared.syncing:
+        sample = window.get(spec.module)
+    if model.prepared.syncing:
+        window.pop(spec.module, None)
+    elif sample is not None:
+        window[spec.module] = sample
+    return sample
+
+
+def runs_collectives(model) -> bool:
+    """Prepared over more than one rank with some module sharded or replicated: every rank must call the module."""
+    prepared = getattr(model, "prepared", None)
+    return prepared is not None and world_size() > 1 and any(
+        slot.strategy is not None and slot.strategy.collective for slot in model.slots.values())
+
+
+def comm_device(prepared) -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cpu") if str(dist.get_backend()) == "gloo" else prepared.device
+
+
+def shared_shapes(module: str, method: str, values: dict, device=None) -> tuple[dict, int | None, bool]:
+    """One all-gather: per column, the shape and dtype of the first rank that has a value for it (or None); that
+    rank; and whether every rank has every value."""
+    import torch.distributed as dist
+
+    mine = torch.zeros(len(values), 3 + MAX_DIMS, dtype=torch.int64)
+    for i, (column, value) in enumerate(values.items()):
+        if value is None or (isinstance(value, torch.Tensor) and not len(value)):
+            continue
+        if not isinstance(value, torch.Tensor) or value.dtype not in CODES or not 1 <= value.ndim <= MAX_DIMS:
+            raise ValueError(f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims "
+                             f"with a dtype in {[str(d) for d in CODES]}, got "
+                             f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}")
+        mine[i, :3] = torch.tensor([1, CODES.index(value.dtype), value.ndim])
+        mine[i, 3:3 + value.ndim] = torch.tensor(value.shape)
+    device = device or torch.device("cpu")
+    everyone = torch.empty(world_size() * len(values), 3 + MAX_DIMS, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine.to(device))
+    everyone = everyone.cpu().view(world_size(), len(values), -1)
+    have = everyone[:, :, 0] == 1
+    ranks = [r for r in range(world_size()) if have[r].all()]
+    donors = {column: None for column in values}
+    for i, column in enumerate(values):
+        first = next((r for r in range(world_size()) if have[r, i]), None)
+        if first is not None:
+            row = everyone[first, i]
+            donors[column] = (tuple(row[3:3 + row[2]].tolist()), CODES[row[1]])
+    return donors, (ranks[0] if ranks else None), bool(have.all())
+
+
+def broadcast_row(donors: dict, donor_rank: int | None, inputs: dict, prepared) -> dict | None:
+    """Row 0 of each input of the first rank that has them, on every rank (one broadcast per input)."""
+    import torch.distributed as dist
+
+    if donor_rank is None:
+        return None
+    device, rows = comm_device(prepared), {}
+    for column, (shape, dtype) in donors.items():
+        if dist.get_rank() == donor_rank:
+            row = inputs[column][:1].to(device).contiguous()
+        else:
+            row = torch.empty((1, *shape[1:]), dtype=dtype, device=device)
+        dist.broadcast(row, src=donor_rank)
+        rows[column] = row
+    return rows
+
+
+def before_forward(model, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of `OmniModel`: nothing left from a previous forward (one that raised); which offline
+    modules' cached outputs each rank was given (their entry point's answer on a rank given none)."""
+    PENDING.pop(model, None)
+    CACHED.pop(model, None)
+    if not runs_collectives(model):
+        return None
+    specs = [s for s in class_encoders(type(model)) if model.slots[s.module].is_released]
+    if specs:
+        given = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+        values = {s.output: kwargs.get(s.output, given.get(s.output)) for s in specs}
+        donors, _, _ = shared_shapes(", ".join(s.module for s in specs), "forward", values,
+                                     comm_device(model.prepared))
+        CACHED[model] = {s.module: in_window(model, s, donors[s.output]) for s in specs}  # on every rank alike
+    return None
+
+
+def keep_in_graph(model, args, output):
+    """Forward hook of `OmniModel`: this forward's 0-row outputs join (adding 0) its loss, or without one its first
+    output that needs a gradient (logits a `compute_loss_func` reads); a dict, ModelOutput, tuple or tensor."""
+    CACHED.pop(model, None)
+    pending = PENDING.pop(model, None)
+    if not pending:
+        return None
+    zero = sum(rows.sum() for rows in pending)
+    if isinstance(output, torch.Tensor):  # a forward returning its loss
+        return output + zero.to(output.dtype) if output.requires_grad and output.is_floating_point() else None
+    items = list(output.items()) if isinstance(output, dict) else list(enumerate(output)) \
+        if isinstance(output, (tuple, list)) else []
+    needs = [k for k, v in items if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
+    if not needs:
+        return None
+    key = "loss" if "loss" in needs else needs[0]
+    if isinstance(output, dict):
+        output[key] = output[key] + zero.to(output[key].dtype)
+        return output
+    values = [v + zero.to(v.dtype) if k == key else v for k, v in items]
+    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # a namedtuple too

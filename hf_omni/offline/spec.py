@@ -1,0 +1,34 @@
+"""What `@offline_encoder` declares about a module's entry point, and finding the declarations of a model class."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OfflineEncoder:
+    """The module, the input columns the method reads, the column it writes, the method's name."""
+
+    module: str
+    inputs: tuple[str, ...]
+    output: str
+    method: str
+
+
+@functools.cache
+def class_encoders(cls) -> tuple[OfflineEncoder, ...]:
+    """The `@offline_encoder` specs a model class declares (looked up once per class)."""
+    return tuple(spec for name in dir(cls) if isinstance(spec := getattr(getattr(cls, name, None), "offline_encoder",
+                                                                         None), OfflineEncoder))
+
+
+def offline_encoders(model) -> dict[str, OfflineEncoder]:
+    """The encoders `model`'s class declares, by module (two for one module: an error)."""
+    found: dict[str, OfflineEncoder] = {}
+    for spec in class_encoders(type(model)):
+        if spec.module in found:
+            raise ValueError(f"module {spec.module!r} has two offline encoders: {found[spec.module].method} and "
+                             f"{spec.method}")
+        found[spec.module] = spec
+    return found

@@ -1,0 +1,39 @@
+"""Launching scripts from the tests: N gloo ranks with `accelerate launch`, the environment a launched script gets
+(the tests' folder on its import path), free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(TESTS, "scripts")
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment of a launched script: no Accelerate or FSDP settings of the caller's, the tests' folder on
+    the import path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH")) if p)
+    return env | extra
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, *args: str, processes: int = 2, timeout: int = 600, env_extra: dict | None = None) -> None:
+    """`accelerate launch --multi_gpu --num_processes N tests/scripts/SCRIPT ARGS` (gloo on CPU), failing loudly with
+    the end of its output."""
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           os.path.join(SCRIPTS, script), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                            env=subprocess_env(**(env_extra or {})))
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
+        raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
