@@ -65,10 +65,10 @@ def writer_rates(optimizer, model, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 
-    from hf_omni.checkpoint.module_state import optimizer_state
+    from hf_omni.checkpoint.module_state import split
     from hf_omni.checkpoint.shard_writer import ShardWriter
 
-    state = {"optimizer": {"state": optimizer_state(model.llm, optimizer.optimizers["llm"], root)[0]}}
+    state = {"optimizer": {"state": split(optimizer.state_dict()["llm"], root)[0]}}
     size = sum(t.numel() * t.element_size() for s in state["optimizer"]["state"].values() for t in s.values())
     writers = {
         "torch HuggingFaceStorageWriter (whole file built in memory)":

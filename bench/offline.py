@@ -93,7 +93,7 @@ def child(layout: str, mode: str) -> dict:
         Captioner.encode_image = encode_image
         from transformers import default_data_collator
 
-        from hf_omni.offline.encoder import offline_encoders
+        from hf_omni.offline.spec import offline_encoders
 
         rows = torch.utils.data.Subset(train_set, range(min(len(train_set), LAYOUTS[layout]["encode_rows"])))
         plain, encode = [], []
