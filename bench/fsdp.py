@@ -9,6 +9,9 @@
    sharded and the model built with `empty_init`, vs plain `Trainer` with DDP over the whole model (built
    normally), each in fresh processes, with glibc's default allocator and with MALLOC_MMAP_THRESHOLD_=131072
    (glibc otherwise keeps freed memory). Goal: ratio <= 0.60.
+3. The price of fp32 master weights: the same LLM saved in bf16 and trained under `bf16: true`, `master_dtype`
+   auto (fp32 masters) vs bfloat16: the bytes of the LLM's parameters, gradients and AdamW state one rank holds,
+   and peak RSS per rank. Theory: 16 bytes per parameter against 8, divided by the ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from timing import StepTimer
 WARMUP, MEASURED, ROUNDS, BATCH = 5, 40, 3, 64
 BIG = dict(hidden=64, layers=2, llm_hidden=768, llm_layers=16)  # the LLM: ~151M parameters
 BIG_DIR = "/tmp/hf_omni_bench/big_model"
+BIG_BF16_DIR = "/tmp/hf_omni_bench/big_model_bf16_llm"  # the same with its LLM saved in bf16 (a released LLM)
 MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
            "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}
 
@@ -124,10 +128,33 @@ def step_time_worker():
 
 # -- 2. memory ------------------------------------------------------------------------------------
 def save_big_model():
+    import torch
+
     from hf_omni.testing.digits import build_model
 
     if not os.path.isfile(os.path.join(BIG_DIR, "config.json")):
         build_model(**BIG).save_pretrained(BIG_DIR)
+    if not os.path.isfile(os.path.join(BIG_BF16_DIR, "config.json")):
+        model = build_model(**BIG)
+        model.llm.to(torch.bfloat16)
+        model.save_pretrained(BIG_BF16_DIR)
+
+
+def held_bytes(module, optimizer) -> int:
+    """Bytes this rank holds of `module`'s parameters, gradients and optimizer state (local shards)."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(module.parameters())
+    total = sum(local(p).numel() * local(p).element_size() for p in params)
+    total += sum(local(p.grad).numel() * local(p.grad).element_size() for p in params if p.grad is not None)
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(value) and value.numel() > 1:
+                total += local(value).numel() * local(value).element_size()
+    return total
 
 
 def memory_worker(variant: str):
@@ -141,7 +168,21 @@ def memory_worker(variant: str):
     train_set, _ = load_splits(build_tokenizer())
     common = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-4, optim="adamw_torch",
                   use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=10_000)
-    if variant == "omni":
+    held = {}
+    if variant.startswith("masters_"):  # the bf16 LLM under `bf16: true`: fp32 masters or pure bf16
+        from transformers import TrainerCallback
+
+        class Held(TrainerCallback):  # gradients and (from step 2) optimizer state present
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                held["bytes"] = held_bytes(model.llm, trainer.optimizer.optimizers["llm"])
+
+        model = Captioner.from_pretrained(BIG_BF16_DIR, empty_init=True)
+        master = {"masters_fp32": "float32", "masters_bf16": "bfloat16"}[variant]
+        modules = {**MODULES, "llm": {**MODULES["llm"], "master_dtype": master}}
+        args = OmniTrainingArguments(output_dir=f"/tmp/hf_omni_bench/mem_{variant}", modules=modules, bf16=True,
+                                     **common)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=train_set, callbacks=[Held()])
+    elif variant == "omni":
         model = Captioner.from_pretrained(BIG_DIR, empty_init=True)
         args = OmniTrainingArguments(output_dir="/tmp/hf_omni_bench/mem_omni", modules=MODULES, **common)
         trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
@@ -156,7 +197,8 @@ def memory_worker(variant: str):
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     if dist.get_rank() == 0:
-        print(f"MEM {variant} llm_params={llm_params} peak_gb={max(p.item() for p in peaks):.3f}")
+        print(f"MEM {variant} llm_params={llm_params} peak_gb={max(p.item() for p in peaks):.3f} "
+              f"held={held.get('bytes', 0)}")
 
 
 def parse(output: str, tag: str) -> dict[str, str]:
@@ -186,6 +228,20 @@ def main():
     print("|---|---|---|---|")
     for allocator, omni_gb, trainer_gb, _ in rows:
         print(f"| {allocator} | {omni_gb:.2f} | {trainer_gb:.2f} | {omni_gb / trainer_gb:.3f} |")
+
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    got = {v: parse(launch("--memory", v, env=env), "MEM") for v in ("masters_fp32", "masters_bf16")}
+    n = int(got["masters_fp32"]["llm_params"])
+    print("\nThe price of fp32 master weights: the same LLM saved in bf16, sharded over 2 ranks, `empty_init`, "
+          "`bf16: true`, MALLOC_MMAP_THRESHOLD_=131072; held = the LLM's parameters + gradients + AdamW state on "
+          "one rank at step 3:\n")
+    print("| master_dtype | held per rank (MB) | bytes per parameter (x ranks) | peak RSS per rank (GB) |")
+    print("|---|---|---|---|")
+    for variant, name in (("masters_fp32", "auto (fp32 masters)"), ("masters_bf16", "bfloat16 (pure bf16)")):
+        held = int(got[variant]["held"])
+        print(f"| {name} | {held / 2**20:.1f} | {held * 2 / n:.2f} | {float(got[variant]['peak_gb']):.2f} |")
+    ratio = int(got["masters_fp32"]["held"]) / int(got["masters_bf16"]["held"])
+    print(f"\nfp32 masters / pure bf16, held bytes: {ratio:.3f} (theory 16 / 8 bytes per parameter = 2.000)")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ class OmniModel(PreTrainedModel):
                 continue
             state = slot.full_state()
             if is_main_process:
-                save_module(slot.module, folder, state, slot.processor, merge_lora=merge_lora)
+                save_module(slot.module, folder, state, slot.processor, merge_lora=merge_lora, dtype=slot.export_dtype)
         if is_main_process:
             self.write_config(save_directory)
 

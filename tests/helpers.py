@@ -42,8 +42,9 @@ def batches(dataset, batch_size: int):
 
 
 def reference_train(model, dataset, steps: int, batch_size: int, settings: dict, clip_scope: str = "per_module",
-                    global_max_norm: float = 1.0):
-    """Plain PyTorch: one AdamW + scheduler per trainable module, clipping per module or global.
+                    global_max_norm: float = 1.0, autocast: torch.dtype | None = None):
+    """Plain PyTorch: one AdamW + scheduler per trainable module, clipping per module or global; `autocast`: the
+    forward under CPU autocast in that dtype.
 
     settings: {module: {"lr", "weight_decay", "scheduler", "warmup", "max_norm"}} for trainable modules; any other
     module is frozen (eval mode, no grad). Decay groups: tensors of 2+ dims decay, the rest do not."""
@@ -65,7 +66,8 @@ def reference_train(model, dataset, steps: int, batch_size: int, settings: dict,
             module.eval()
     losses = []
     for _, batch in zip(range(steps), batches(dataset, batch_size)):
-        loss = model(**batch).loss
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = model(**batch).loss.float()
         loss.backward()
         losses.append(loss.item())
         grads = {n: [p for p in getattr(model, n).parameters() if p.grad is not None] for n in optimizers}

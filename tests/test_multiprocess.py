@@ -85,7 +85,8 @@ def test_two_fsdp_modules_keep_their_own_plugins_and_ignore_environment(two_rank
     assert set(plugins) == {"vision", "llm"} and plugins["vision"]["id"] != plugins["llm"]["id"]
     assert plugins["vision"]["wrap"] == ["ViTLayer"] and plugins["llm"]["wrap"] == ["LlamaDecoderLayer"]
     assert plugins["vision"]["reshard"] is False and plugins["llm"]["reshard"] is True  # env said false
-    assert "bfloat16" in plugins["llm"]["mp"] and plugins["vision"]["mp"] == "None"
+    assert "param_dtype=torch.bfloat16" in plugins["llm"]["mp"] and "param_dtype=None" in plugins["vision"]["mp"]
+    assert all("reduce_dtype=torch.float32" in plugins[m]["mp"] for m in plugins)  # fp32 sums, bf16 or not
     assert facts["fsdp_units"] == {"vision": 3, "projector": 0, "llm": 3}
     assert facts["env"] == FSDP_ENV  # nothing read from the environment, nothing written to it
 

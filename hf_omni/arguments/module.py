@@ -15,6 +15,7 @@ from typing import Any
 from ..config import repo_id_error
 from ..errors import OmniArgumentError
 from ..keys import NUMBER, check_field, declared, default_of, key
+from ..modules.precision import MASTER_DTYPES
 from ..parallel import strategy_names
 from ..parallel.fsdp_settings import FsdpSettings
 from ..parallel.mesh import check_parallelism
@@ -87,6 +88,9 @@ class ModuleArguments:
     warmup_steps: float = key(0, NUMBER, "warmup steps; < 1 is a ratio of the training steps", minimum=0)
     max_grad_norm: float | None = key(1.0, NUMBER, "clip the module's gradients to this norm (0 or null: off)",
                                       nullable=True, minimum=0)
+    master_dtype: str = key("auto", (str,), "trainable parameters and their optimizer state: `auto` (fp32 when the "
+                            "run computes in bf16 / fp16, else as loaded), `float32`, `bfloat16` (pure bf16)",
+                            choices=MASTER_DTYPES)
     activation_checkpointing: bool = key(False, (bool,), "recompute activations in backward",
                                          top_level="module_activation_checkpointing")
     activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "

@@ -39,6 +39,7 @@ class OmniTrainingArguments(TrainingArguments):
     fsdp_plugin: dict | str | None = field(default=None, metadata={"help": field_help("fsdp_plugin") + " (JSON)"})
     parallelism: dict | str | None = field(default=None, metadata={
         "help": field_help("parallelism") + " (JSON on the CLI)"})
+    master_dtype: str = field(default="auto", metadata={"help": field_help("master_dtype")})
     fsdp_scope: str = field(
         default="module", metadata={"help": "module: each module wraps itself | model: one wrap of the whole model."})
     grad_clip_scope: str = field(

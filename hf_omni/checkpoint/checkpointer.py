@@ -76,7 +76,8 @@ class ModuleCheckpointer:
             state = slot.full_state()
             with agreed(f"module {name!r}: writing {folder}", self.group):
                 if is_main():
-                    save_module(slot.module, folder, state, slot.processor, pipeline=pipeline)
+                    save_module(slot.module, folder, state, slot.processor, pipeline=pipeline,
+                                dtype=slot.export_dtype)
             if weights_only:
                 continue
             tensors, rest = module_state.split(optimizer_states[name], os.path.join(folder, module_state.STATE))

@@ -1,7 +1,7 @@
 """One module's resume state, `<module>/state/`, none of it pickled:
 
-    shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is,
-                                          through DCP (`shard_writer.ShardWriter`): every rank writes its own
+    shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is
+                                          (fp32 master weights of a module exported in bf16, ...), through DCP (`shard_writer.ShardWriter`): every rank writes its own
                                           shards, their offsets in the safetensors header
     optimizer.json                        param groups and non-tensor per-parameter values (rank 0)
     scheduler.json                        the scheduler's `state_dict()` (rank 0)
@@ -178,7 +178,8 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
 
 class ModuleState:
     """One trainable module's `state/` as the checkpointer keeps it between saves: which of its tensors the HF
-    files cannot serve (`unmapped`, worked out once) and, for async saves, the stager whose buffers are reused."""
+    files cannot serve (`unmapped`: not in them as is, worked out once; `masters`: master weights the files hold
+    rounded to the dtype they were loaded in) and, for async saves, the stager whose buffers are reused."""
 
     def __init__(self, slot):
         self.slot = slot
@@ -192,9 +193,17 @@ class ModuleState:
             self._unmapped = frozenset(n for n in module_tensors(self.slot.module) if n not in layout)
         return self._unmapped
 
-    def unmapped_tensors(self) -> dict:
+    @property
+    def masters(self) -> frozenset[str]:
+        precision = self.slot.precision
+        return frozenset(precision.masters) if precision is not None else frozenset()
+
+    def unmapped_tensors(self, masters: frozenset[str] | None = None) -> dict:
+        """The tensors `state/` holds: the unmapped ones and the master weights (`masters`: those of them a
+        checkpoint being read holds; a checkpoint of a run without masters serves them from its HF files)."""
         tensors = module_tensors(self.slot.module)
-        return {n: tensors[n].detach() for n in sorted(self.unmapped)}
+        names = self.unmapped | (self.masters if masters is None else masters)
+        return {n: tensors[n].detach() for n in sorted(names)}
 
     def save_tensors(self, folder: str, optimizer_tensors: dict, pipeline=None, group=None) -> None:
         """The optimizer's tensors and the unmapped ones, every rank its own shards (`save_state_tensors`)."""

@@ -63,36 +63,52 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
             saved[name] = module_state.read_state_json(folders[name])
     todo = {name: folder for name, folder in folders.items()
             if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
+    masters = {}  # module -> the master weights its state/ holds (read there, not from the rounded HF files)
+    for name in trainable:
+        with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
+            masters[name] = held_masters(checkpointer.states[name], folders[name])
     for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
         for name, folder in todo.items():
             with agreed(f"module {name!r}: reading {folder}", group):
-                read_weights(checkpointer, name, folder, dry_run)
+                read_weights(checkpointer, name, folder, dry_run, masters)
     for name, slot in model.slots.items():
         slot.entry.source = slot.entry.source or config.module_entry(name).source
     states = checkpointer.states
     if weights_only:  # the unmapped tensors of a save_only_model checkpoint came through transformers above
         for name in trainable:
             if os.path.isdir(os.path.join(folders[name], module_state.STATE)):
-                module_state.load_module_tensors(folders[name], states[name].unmapped_tensors())
+                module_state.load_module_tensors(folders[name], states[name].unmapped_tensors(masters[name]))
         return
     live = optimizer.templates()  # this rank's shapes of every module's optimizer state
     optimizer.load_state_dict({name: module_state.read_optimizer_state(
-        folders[name], live[name], saved[name][0], states[name].unmapped_tensors()) for name in trainable})
+        folders[name], live[name], saved[name][0], states[name].unmapped_tensors(masters[name]))
+        for name in trainable})
     scheduler.load_state_dict({name: saved[name][1] for name in trainable})
     files.load_scaler(optimizer.scaler, directory)
 
 
-def read_weights(checkpointer, name: str, folder: str, dry_run: bool) -> None:
-    """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`); a frozen
-    one from its source (through transformers' loading for what the files do not hold as is). A tensor that cannot
-    be restored is an error naming the module and tensor."""
-    module, unmapped = checkpointer.model.slots[name].module, checkpointer.states[name].unmapped
+def held_masters(state, folder: str) -> frozenset[str]:
+    """The module's master weights that `folder/state/` holds. A checkpoint of a run that kept them as loaded
+    (another `master_dtype`) holds none: they start from its HF files, cast up."""
+    if not state.masters or not os.path.isdir(os.path.join(folder, module_state.STATE)):
+        return frozenset()
+    kept = set(module_state.state_keys(folder))
+    return frozenset(n for n in state.masters if f"tensors.{n}" in kept)
+
+
+def read_weights(checkpointer, name: str, folder: str, dry_run: bool, masters: dict) -> None:
+    """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`: the
+    unmapped tensors, and the master weights it holds, `masters[name]`); a frozen one
+    from its source (through transformers' loading for what the files do not hold as is). A tensor that cannot be
+    restored is an error naming the module and tensor."""
+    state = checkpointer.states[name]
+    module, unmapped = checkpointer.model.slots[name].module, state.unmapped
     if name in checkpointer.trainable and os.path.isdir(os.path.join(folder, module_state.STATE)):  # (else: as a
-        read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped)  # frozen one's)
         kept = set(module_state.state_keys(folder)) if dry_run and unmapped else set()
         lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
         if lost:
             raise ValueError(f"module {name!r}: {folder}/{module_state.STATE} lacks {len(lost)} tensors {lost[:5]}")
+        read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped | masters[name])
         return
     missing = read_into(module, folder, module_name=name, dry_run=dry_run)
     lost = [n for n in missing if n not in unmapped]

@@ -54,11 +54,12 @@ def processor_kind(processor: Any) -> str:
 
 
 def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
-                merge_lora: bool = False, pipeline=None) -> None:
+                merge_lora: bool = False, pipeline=None, dtype: torch.dtype | None = None) -> None:
     """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them), from its full
     `state` (`ModuleSlot.full_state()`, gathered on every rank; the main process calls this). With a `pipeline`
     (`checkpoint.pipeline.SavePipeline`, async saves), the tensors are snapshotted and the files written in its
-    thread."""
+    thread. `dtype`: the module's dtype as loaded, recorded in its config when its live parameters (fp32 master
+    weights) differ."""
     lora = lora_config_of(module)
     if lora is not None and merge_lora:
         module, lora = merged_module(module, state), None
@@ -68,9 +69,9 @@ def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
     adapter = adapter_state_dict(module, state) if lora is not None else None
     if pipeline is None:
         weights, adapter = (on_cpu(t) if t is not None else None for t in (weights, adapter))
-        return write_module_files(module, folder, weights, lora, adapter, processor)
+        return write_module_files(module, folder, weights, lora, adapter, processor, dtype)
     weights, adapter = (pipeline.snapshot(t) if t is not None else (lambda: None) for t in (weights, adapter))
-    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor),
+    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor, dtype),
                   f"writing {folder}")
 
 
@@ -78,9 +79,13 @@ def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
 
-def write_module_files(module, folder, weights, lora, adapter, processor) -> None:
+def write_module_files(module, folder, weights, lora, adapter, processor, dtype=None) -> None:
     os.makedirs(folder, exist_ok=True)
-    save_view(module).save_pretrained(folder, state_dict=weights)
+    view = save_view(module)
+    view.save_pretrained(folder, state_dict=weights)
+    if dtype is not None and view.config.dtype != dtype:  # transformers records the live parameters' dtype
+        view.config.dtype = dtype
+        view.config.save_pretrained(folder)
     record_original_class(folder, original_class(module))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):

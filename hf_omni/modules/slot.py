@@ -48,6 +48,7 @@ class ModuleSlot:
     trains: bool = False  # set when prepared: something in it still requires grad after freezing and LoRA
     strategy: Any = None  # WRAPPED: its `parallel.strategy.Strategy` (none, ddp, fsdp)
     encoder: Any = None  # `offline_modules`: its `@offline_encoder` spec
+    precision: Any = None  # when prepared: its `modules.precision.Precision` (master / compute / loaded dtypes)
 
     @property
     def name(self) -> str:
@@ -98,8 +99,15 @@ class ModuleSlot:
         return self.strategy.name if self.strategy is not None else "none"
 
     def full_state(self) -> dict:
-        """Its full state dict; every rank calls this (a sharded module is gathered to rank 0, the others get {})."""
-        return self.strategy.full_state_dict(self.module) if self.strategy is not None else self.module.state_dict()
+        """Its full state dict as exported: master weights back in the dtype they were loaded in. Every rank calls
+        this (a sharded module is gathered to rank 0, the others get {})."""
+        state = self.strategy.full_state_dict(self.module) if self.strategy is not None else self.module.state_dict()
+        return self.precision.export(state) if self.precision is not None else state
+
+    @property
+    def export_dtype(self):
+        """The dtype its exports record (its first floating parameter's as loaded), where master weights differ."""
+        return self.precision.dtype if self.precision is not None else None
 
     def record_source(self, folder: str) -> None:
         """A module with no recorded source takes `folder` (made absolute) as the one its weights come from."""

@@ -1,6 +1,7 @@
 """How each module of a composed model is prepared, as named steps in a fixed order (torchtitan style):
 
     freeze | LoRA -> activation checkpointing    (tuning.py, every module)
+    master dtype of what trains                  (modules/precision.py: fp32 masters under bf16 / fp16 compute)
     plan: a strategy name per module             (no process group: none everywhere)
     read whole what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards (empty_init)
 
@@ -17,6 +18,7 @@ import torch
 
 from ..compat import fsdp_lazy_init_root
 from ..dist import has_process_group, world_size
+from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module
 from .fsdp import MODEL_SCOPE, FsdpStrategy
@@ -74,6 +76,9 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
     """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped."""
     device = accelerator.device
     live = [slot for slot in model.slots.values() if not slot.is_released]  # offline: on meta for good
+    run_dtype = run_compute_dtype(accelerator)
+    for slot in live:  # before anything is read, placed or wrapped (on the meta device too)
+        slot.precision = apply_master_dtype(slot, run_dtype)
     kinds = {slot.name: plan(slot, fsdp_scope) for slot in live}
     scoped = fsdp_scope == "model" and has_process_group()
     shapes = {slot.name: mesh_shape(slot.name, slot.args.parallelism, world_size()) for slot in live
@@ -96,7 +101,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
                 slot.module.to(device)
     prepared = Prepared(device=device)
     if scoped:  # one wrap of the whole composed model, frozen modules included
-        strategy = FsdpStrategy(MODEL_SCOPE, model_fsdp, meshes.get(shapes[MODEL_SCOPE]))
+        strategy = FsdpStrategy(MODEL_SCOPE, model_fsdp, meshes.get(shapes[MODEL_SCOPE]), compute=run_dtype)
         strategy.apply(model, device)
         prepared.strategies.append(strategy)
         for slot in live:

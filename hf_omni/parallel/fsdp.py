@@ -43,18 +43,24 @@ def isolated_fsdp_environment():
         os.environ.update(saved)
 
 
-def mixed_precision_policy(value):
-    """`no` | `bf16` | `fp16` (Accelerate's names) or {param_dtype, reduce_dtype, output_dtype} as dtype names."""
-    if value is None or value == "no":
+def mixed_precision_policy(value, compute: torch.dtype | None = None):
+    """The module's FSDP2 `MixedPrecisionPolicy`: its `fsdp_plugin.mixed_precision` (`no`, `bf16`, or
+    {param_dtype, reduce_dtype, output_dtype} as dtype names); unset: parameters gathered in the run's bf16 compute
+    dtype (`compute`). Gradients are reduced in fp32 unless `reduce_dtype` says otherwise (a bf16 sum over hundreds of
+    ranks loses the small contributions). None: no policy (parameters as held, fp32 reductions of fp32 gradients)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if value == "no":
         return None
     if isinstance(value, dict):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        dtypes = {k: getattr(torch, v) for k, v in value.items()}
+        dtypes.setdefault("reduce_dtype", torch.float32)
+        return MixedPrecisionPolicy(**dtypes)
+    param = torch.bfloat16 if value == "bf16" or (value is None and compute == torch.bfloat16) else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
 
-        return MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in value.items()})
-    return value
 
-
-def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
+def build_plugin(module: nn.Module, name: str, settings: FsdpSettings, compute: torch.dtype | None = None):
     """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -64,7 +70,7 @@ def build_plugin(module: nn.Module, name: str, settings: FsdpSettings):
         reshard_after_forward=settings.reshard_after_forward,
         cpu_offload=settings.cpu_offload,
         cpu_ram_efficient_loading=settings.cpu_ram_efficient_loading,
-        mixed_precision_policy=mixed_precision_policy(settings.mixed_precision),
+        mixed_precision_policy=mixed_precision_policy(settings.mixed_precision, compute),
         ignored_modules=settings.ignored_modules,
         activation_checkpointing=False,
         state_dict_type="SHARDED_STATE_DICT",
@@ -90,16 +96,19 @@ class FsdpStrategy(Strategy):
     name = "fsdp"
     collective = True
 
-    def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True):
+    def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
+                 compute: torch.dtype | None = None):
         self.module_name, self.settings, self.mesh, self.lazy_init = module_name, settings, mesh, lazy_init
+        self.compute = compute  # the run's compute dtype (bf16: parameters gathered in bf16 unless set otherwise)
         self.plugin = self.module = None
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
-        return cls(slot.name, slot.args.fsdp_settings(), mesh, lazy_init)
+        compute = slot.precision.compute if slot.precision is not None else None
+        return cls(slot.name, slot.args.fsdp_settings(), mesh, lazy_init, compute)
 
     def apply(self, module: nn.Module, device: torch.device) -> None:
-        self.plugin = build_plugin(module, self.module_name, self.settings)
+        self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
         shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init, mesh=self.mesh)
         self.module = module
 

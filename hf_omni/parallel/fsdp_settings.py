@@ -48,7 +48,8 @@ class FsdpSettings:
     reshard_after_backward: bool = key(
         True, (bool,), "false: stay gathered across a gradient-accumulation window", top_level=None)
     mixed_precision: str | dict | None = key(
-        None, (str, dict), "`no`, `bf16`, `fp16`, or {param_dtype, reduce_dtype, output_dtype} as dtype names",
+        None, (str, dict), "`no`, `bf16`, or {param_dtype, reduce_dtype, output_dtype} as dtype names; unset: "
+        "the run's bf16; gradients are reduced in fp32 unless `reduce_dtype` says otherwise",
         nullable=True, check=check_mixed_precision, top_level=None)
     cpu_offload: bool = key(False, (bool,), "keep sharded parameters on CPU", top_level=None)
     cpu_ram_efficient_loading: bool = key(False, (bool,), "refused: build with `empty_init=True` (each rank reads "

@@ -1,0 +1,116 @@
+"""Master weights at 2 gloo ranks (`accelerate launch --multi_gpu --num_processes 2`), one launch: the demo model
+with its LLM saved in bf16, built with `empty_init`, the LLM sharded with FSDP2 under `bf16: true`. Records, per
+rank: the dtypes FSDP2's collectives carried (parameters gathered in bf16, gradients reduced in fp32), the policy
+applied for each way of writing `fsdp_plugin.mixed_precision`, the dtypes of the local shards and AdamW moments,
+the full state at the step-2 checkpoint, and whether a resume from it in a model with other weights ends bitwise
+equal to the straight run. Usage: mp_master_weights.py OUT_DIR"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers import full_state, make_args, tiny_data, tiny_model
+from transformers import TrainerCallback
+
+from hf_omni import OmniTrainer
+from hf_omni.testing.digits import Captioner
+
+LR = 1e-6
+POLICIES = {"unset": None, "bf16": "bf16", "dict": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
+
+
+class CollectiveDtypes:
+    """Records the dtype of every all-gather / reduce-scatter issued through `torch.distributed` while active."""
+
+    def __init__(self):
+        self.seen, self.saved = set(), {}
+
+    def __enter__(self):
+        for name in [n for n in dir(dist) if n.startswith(("all_gather", "reduce_scatter"))]:
+            original = getattr(dist, name)
+            if not callable(original) or name.endswith("object"):
+                continue
+            self.saved[name] = original
+
+            def wrapped(*args, _kind=name[:10] if name.startswith("all") else name[:14], _original=original,
+                        **kwargs):
+                tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]  # (output, input): input's
+                if tensors:
+                    self.seen.add((_kind, str(tensors[-1].dtype)))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+
+
+class StateAtSave(TrainerCallback):
+    """The model's full state (masters, gathered) at each save."""
+
+    def __init__(self):
+        self.states = {}
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self.states[state.global_step] = full_state(model)
+
+
+def saved_folder(out_dir: str) -> str:
+    folder = os.path.join(out_dir, "bf16_llm")
+    if dist.get_rank() == 0:
+        model = tiny_model()
+        model.llm.to(torch.bfloat16)
+        model.save_pretrained(folder)
+    dist.barrier()
+    return folder
+
+
+def run(folder: str, out: str, mixed_precision=None, seed: int = 0, resume: str | None = None, **overrides):
+    model = Captioner.from_pretrained(folder, empty_init=True)
+    fsdp = {"mixed_precision": mixed_precision} if mixed_precision is not None else {}
+    args = dict(bf16=True, learning_rate=LR, max_steps=4, per_device_train_batch_size=4, save_strategy="steps",
+                save_steps=2, modules={"vision": {"trainable": False}, "llm": {"parallel": "fsdp", "fsdp_plugin": fsdp}})
+    args.update(overrides)
+    saves = StateAtSave()
+    trainer = OmniTrainer(model=model, args=make_args(out, **args), train_dataset=tiny_data(model, 64),
+                          callbacks=[saves])
+    with CollectiveDtypes() as collectives:
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer, saves, sorted(collectives.seen)
+
+
+def main(out_dir: str):
+    dist.init_process_group("gloo")  # (Accelerate's state takes it over)
+    folder = saved_folder(out_dir)
+    results = {"policies": {}}
+    for name, setting in POLICIES.items():
+        trainer, _, seen = run(folder, os.path.join(out_dir, f"policy_{name}"), setting, max_steps=1,
+                               save_strategy="no")
+        policy = trainer.plugin.fsdp_plugins["llm"].mixed_precision_policy
+        results["policies"][name] = {"param": str(policy.param_dtype), "reduce": str(policy.reduce_dtype),
+                                     "collectives": seen}
+    straight, saves, _ = run(folder, os.path.join(out_dir, "straight"))
+    llm = straight.model.llm
+    q = llm.model.layers[0].self_attn.q_proj.weight
+    adam = straight.optimizer.optimizers["llm"].state[q]
+    results["shards"] = {"sharded": hasattr(q, "to_local"), "local": str(q.to_local().dtype),
+                         "exp_avg": str(adam["exp_avg"].to_local().dtype)}
+    results["at_save"] = saves.states[2]
+    final = full_state(straight.model)
+    resumed, _, _ = run(folder, os.path.join(out_dir, "resumed"), resume=os.path.join(out_dir, "straight",
+                                                                                    "checkpoint-2"))
+    again = full_state(resumed.model)
+    results["resume_mismatch"] = [k for k in final if not torch.equal(final[k], again[k])]
+    results["final"] = final
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        torch.save(everyone, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
