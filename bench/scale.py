@@ -113,34 +113,6 @@ class Measure:
                         "received": self.received.total, "seconds": self.seconds}
 
 
-def count_reads() -> dict:
-    """Wrap the safetensors reads of hf_omni (`SafetensorsIndex.read`) and of DCP's HF reader: bytes requested."""
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-
-    from hf_omni.modules import weights
-
-    counter = {"bytes": 0}
-    read, process = weights.SafetensorsIndex.read, HuggingFaceStorageReader._process_read_request
-
-    def counted_read(self, key, rows=None):
-        out = read(self, key, rows)
-        counter["bytes"] += out.numel() * out.element_size()
-        return out
-
-    def counted_process(self, f, req, planner):
-        shape = [length for length in req.lengths]
-        item = planner.resolve_tensor(req)
-        numel = 1
-        for n in shape:
-            numel *= n
-        counter["bytes"] += numel * item.element_size()
-        return process(self, f, req, planner)
-
-    weights.SafetensorsIndex.read = counted_read
-    HuggingFaceStorageReader._process_read_request = counted_process
-    return counter
-
-
 def worker(layout: str, save_async: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -150,6 +122,8 @@ def worker(layout: str, save_async: bool) -> None:
 
     world, parallelism = LAYOUTS[layout]
     out = os.path.join(ROOT, "run")
+    from hf_omni.testing.reads import count_reads
+
     read_counter = count_reads()
     llm_entry = {"parallel": "fsdp", **({"parallelism": parallelism} if parallelism else {})}
     plugin = OmniPlugin(modules={"llm": llm_entry}, defaults={"learning_rate": 1e-4, "save_async": save_async},

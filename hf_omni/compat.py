@@ -22,6 +22,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("torch", "torch.autograd.Variable._execution_engine"),
     ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
     ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
+    ("transformers", "transformers.modeling_utils._get_tied_weight_keys"),
     ("transformers", "transformers.PreTrainedModel._init_weights"),
     ("transformers", "transformers.PreTrainedModel._get_dtype_plan"),
     ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),
@@ -69,22 +70,20 @@ def missing_symbols() -> list[str]:
 
 # -- torch ----------------------------------------------------------------------------------------------
 def own_tensors(module: nn.Module, parameters: bool = True, buffers: bool = True) -> list[tuple[dict, str, object]]:
-    """The parameters and buffers a module holds itself (not its children's), each with the table it sits in so it
-    can be replaced where it is: `nn.Module._parameters` / `_buffers`, what `named_parameters` walks."""
+    """The parameters and buffers a module holds itself, each with its table (`_parameters` / `_buffers`)."""
     tables = ((module._parameters,) if parameters else ()) + ((module._buffers,) if buffers else ())
     return [(table, attr, tensor) for table in tables for attr, tensor in list(table.items()) if tensor is not None]
 
 
 def fsdp_lazy_init_root(module: nn.Module) -> None:
-    """Initialise a `fully_shard`-ed module's FSDP state from its root now, so that a unit called before the root
-    (the input embeddings, from the composed forward) does not claim to be a root itself."""
+    """Initialise a `fully_shard`-ed module's FSDP state from its root now (a unit called first is no root)."""
     resolve("torch.distributed.fsdp.FSDPModule._get_fsdp_state")
     module._get_fsdp_state()._lazy_init()
 
 
 def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
-    """torch's composable, in-place `replicate` (DDP's bucketed all-reduce with no wrapper object; `ddp_kwargs` go
-    to DDP), initialised now so parameters are broadcast from rank 0 before any method of the module runs."""
+    """torch's composable, in-place `replicate` (DDP without a wrapper object), initialised now: parameters are
+    broadcast from rank 0 before any method of the module runs."""
     replicate = resolve("torch.distributed._composable.replicate.replicate")
     kwargs = dict(ddp_kwargs, **({"device_id": device} if device.type != "cpu" else {}))
     replicate(module, **kwargs)
@@ -150,6 +149,11 @@ def transformers_save_keys(module: nn.Module, state: dict[str, torch.Tensor]) ->
     `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`; MoE experts merged on load
     are split again). Renamed tensors keep their identity; merged or split ones are new tensors."""
     return resolve("transformers.core_model_loading.revert_weight_conversion")(module, dict(state))
+
+
+def tied_weight_patterns(module: nn.Module) -> list[str]:
+    """Key patterns a save drops when they alias another key (every submodule's `_tied_weights_keys`)."""
+    return list(resolve("transformers.modeling_utils._get_tied_weight_keys")(module))
 
 
 def keep_in_fp32_plan(module: nn.Module, dtype: torch.dtype) -> list[str]:

@@ -37,6 +37,14 @@ class RankFailure(RuntimeError):
     """A step that some ranks did on their own failed: every rank raises this, naming the rank and the step."""
 
 
+def broadcast_from_main(value, group=None):
+    """Rank 0's `value` on every rank (a small picklable object; `group` holds every rank)."""
+    objects = [value]
+    if has_process_group():
+        dist.broadcast_object_list(objects, src=0, group=group)
+    return objects[0]
+
+
 def checkpoint_group():
     """A gloo group for checkpoint agreement (CPU objects, whatever backend training uses). Every rank must call
     this, in the same order; None without a process group."""

@@ -30,13 +30,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import ModuleEntry, OmniConfig, module_folder
+from .dist import is_main
 from .hub.download import download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
 from .modules.classes import (
     class_record, embeddings_of, is_token_embedding, original_class, per_module, resolve_module_class,
 )
 from .modules.folder import (
-    PROCESSOR_KINDS, copy_module_folder, load_module, load_processor, processor_kind, save_module,
+    PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
 )
 from .modules.slot import ModuleSlot
 from .offline.missing_modality import before_forward, keep_in_graph
@@ -144,12 +145,15 @@ class OmniModel(PreTrainedModel):
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
-                        merge_lora: bool = False, **kwargs) -> None:
-        """Write `config.json` (OmniConfig) and one HF folder per module (with its processor). With sharded modules
-        every rank must call it (their weights are gathered); only `is_main_process` writes."""
+                        merge_lora: bool = False, max_shard_size: str | int = "50GB", **kwargs) -> None:
+        """Write `config.json` (OmniConfig) and one HF folder per module (with its processor; its weights split into
+        files of at most `max_shard_size`, as transformers does). With sharded modules every rank must call it: each
+        writes its own rows of their files in place (`merge_lora`: a LoRA module is gathered and merged on the main
+        process); other modules, and the small files, are written by `is_main_process` (under a process group: only
+        if it is global rank 0, so that a call on every rank without `is_main_process` does not race)."""
         if kwargs.get("state_dict") is not None:
             raise ValueError("OmniModel.save_pretrained writes each module's own state; `state_dict=` is not supported")
-        save_directory = str(save_directory)
+        save_directory, is_main_process = str(save_directory), is_main_process and is_main()
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
         for slot in each(list(self.slots.values()), f"exporting to {save_directory}"):
@@ -162,9 +166,7 @@ class OmniModel(PreTrainedModel):
                 if is_main_process:
                     copy_module_folder(source, folder)
                 continue
-            state = slot.full_state()
-            if is_main_process:
-                save_module(slot.module, folder, state, slot.processor, merge_lora=merge_lora, dtype=slot.export_dtype)
+            export_module(slot, folder, merge_lora, is_main_process, max_shard_size)
         if is_main_process:
             self.write_config(save_directory)
 

@@ -4,9 +4,9 @@ A checkpoint is every stateful thing by name: each trainable module's weights (i
 per-module optimizers and schedulers (`ModuleOptimizers` / `ModuleSchedulers`, Stateful by module name), the
 GradScaler, and the root config; then, last, the marker.
 
-    save:  remove a stale marker -> frozen sources (once) -> per trainable module: HF folder (rank 0, gathered) +
-           optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json -> [async: later]
-           every rank done -> marker (rank 0, atomic)
+    save:  remove a stale marker -> frozen sources (once) -> per trainable module: HF folder (every rank its own
+           rows, in place) + optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json ->
+           [async: later] every rank done -> marker (rank 0, atomic)
 
 The layout is in `files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG state through
 `rng.py`; a custom loop uses `accelerator.save_state`)."""
@@ -18,10 +18,12 @@ import concurrent.futures
 import os
 import shutil
 
-from ..dist import agreed, checkpoint_group, is_main
-from ..modules.folder import save_module, write_frozen_source
+from ..dist import agreed, broadcast_from_main, checkpoint_group, is_main
+from ..modules import folder_write
+from ..modules.folder import write_frozen_source
 from ..progress import each
 from . import files, module_state, resume
+from .digests import hash_checkpoint
 from .pipeline import SavePipeline
 
 
@@ -63,6 +65,8 @@ class ModuleCheckpointer:
                     old = os.path.join(self.folder(directory, name), module_state.STATE)
                     if os.path.isdir(old):
                         shutil.rmtree(old)
+                    folder_write.remove_weight_files(self.folder(directory, name))  # written in place, untruncated
+                    os.makedirs(self.folder(directory, name), exist_ok=True)
         for slot in self.model.slots.values():
             if not slot.trains:
                 write_frozen_source(slot, self.output_dir, self.group)
@@ -73,11 +77,9 @@ class ModuleCheckpointer:
         scheduler_states = {} if weights_only else scheduler.state_dict()
         for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
             slot, folder = self.model.slots[name], self.folder(directory, name)
-            state = slot.full_state()
-            with agreed(f"module {name!r}: writing {folder}", self.group):
-                if is_main():
-                    save_module(slot.module, folder, state, slot.processor, pipeline=pipeline,
-                                dtype=slot.export_dtype)
+            with agreed(f"module {name!r}: writing {folder}", self.group):  # every rank its own rows
+                folder_write.write_module_folder(slot.module, folder, self.states[name].plan, slot.processor,
+                                    dtypes=slot.export_dtypes, pipeline=pipeline)
             if weights_only:
                 continue
             tensors, rest = module_state.split(optimizer_states[name], os.path.join(folder, module_state.STATE))
@@ -115,10 +117,15 @@ class ModuleCheckpointer:
         with agreed(f"writing checkpoint {directory}", self.group):
             for future in futures:
                 future.result()
+        sizes = digests = None
+        if self.verify:  # every rank hashes its share of the files, outside the agreement on the marker
+            sizes = broadcast_from_main(files.file_sizes(directory) if is_main() else None, self.group)
+            with agreed(f"hashing {directory}", self.group):
+                digests = hash_checkpoint(directory, sizes, self.group)
         with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
             if is_main():
-                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable,
-                                                                digests=self.verify))
+                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable, sizes,
+                                                                digests))
         if self.on_marked is not None and is_main():
             self.on_marked(directory)
 

@@ -72,17 +72,11 @@ def read_marker(directory: str) -> dict | None:
     return read_json(os.path.join(directory, MARKER))
 
 
-def sha256(path: str) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def check_complete(directory: str, verify: bool | None = False) -> dict:
+def check_complete(directory: str, verify: bool | None = False, share: tuple[int, int] = (0, 1)) -> dict:
     """The marker of a complete checkpoint; a clear error for a missing path, a missing or malformed marker, a
-    missing or truncated file, or a file the marker does not list. `verify`: every file's sha256 too (a change that
-    keeps the size); None: when the marker has them."""
+    missing or truncated file, or a file the marker does not list. `verify`: the sha256 of the pieces of the files
+    dealt to rank `share[0]` of `share[1]` (`digests`; all of them by default) too (a change that keeps the size);
+    None: when the marker has them."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint {directory} does not exist")
     try:
@@ -109,14 +103,9 @@ def check_complete(directory: str, verify: bool | None = False) -> dict:
             raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
                              f"{size} were written")
     if verify or (verify is None and "sha256" in marker):
-        digests = marker.get("sha256")
-        if not isinstance(digests, dict) or set(digests) != set(marker["files"]):
-            raise ValueError(f"checkpoint {directory} has no sha256 of its files to verify (saved without "
-                             "verify_checkpoint)")
-        for rel, digest in sorted(digests.items()):
-            if sha256(os.path.join(directory, rel)) != digest:
-                raise ValueError(f"checkpoint {directory}: file {rel} does not match its sha256 (changed after the "
-                                 "save)")
+        from .digests import check_share
+
+        check_share(directory, marker["files"], marker.get("sha256") or {}, *share)
     return marker
 
 
@@ -173,11 +162,16 @@ def load_scaler(scaler, directory: str) -> None:
             scaler.load_state_dict(json.load(f))
 
 
+def file_sizes(directory: str) -> dict[str, int]:
+    return {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
+
+
 def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True,
-                digests: bool = False) -> dict:
-    files = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
-    info = {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules, "files": files,
-            "resumable": resumable}
-    if digests:
-        info["sha256"] = {rel: sha256(os.path.join(directory, rel)) for rel in files}
+                sizes: dict[str, int] | None = None, digests: dict | None = None) -> dict:
+    """The marker: its files and their sizes (`sizes`, listed now by default), and with `verify_checkpoint` the
+    sha256 of their pieces (`digests.hash_checkpoint`)."""
+    info = {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules,
+            "files": sizes if sizes is not None else file_sizes(directory), "resumable": resumable}
+    if digests is not None:
+        info["sha256"] = digests
     return info

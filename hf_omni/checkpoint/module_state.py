@@ -1,8 +1,8 @@
 """One module's resume state, `<module>/state/`, none of it pickled:
 
     shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is
-                                          (fp32 master weights of a module exported in bf16, ...), through DCP (`shard_writer.ShardWriter`): every rank writes its own
-                                          shards, their offsets in the safetensors header
+                                          (fp32 masters of a module exported in bf16, ...), through DCP
+                                          (`shard_writer`): every rank its own shards, offsets in the header
     optimizer.json                        param groups and non-tensor per-parameter values (rank 0)
     scheduler.json                        the scheduler's `state_dict()` (rank 0)
 
@@ -19,6 +19,7 @@ import os
 import torch
 
 from ..modules.weights import file_layout, module_tensors
+from ..parallel.replicas import load_once
 
 STATE = "state"
 OPTIMIZER = "optimizer.json"
@@ -127,10 +128,8 @@ def state_keys(folder: str) -> list[str]:
 
 def load_module_tensors(folder: str, tensors: dict) -> None:
     """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
-    import torch.distributed.checkpoint as dcp
-
     if tensors:
-        dcp.load({"tensors": tensors}, storage_reader=_reader(os.path.join(folder, STATE)))
+        load_once({"tensors": tensors}, lambda: _reader(os.path.join(folder, STATE)), f"reading {folder}")
 
 
 def read_state_json(folder: str) -> tuple[dict, dict]:
@@ -156,8 +155,6 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
     state_dict()[module]`, its tensors shaped as this rank holds them), filled in place from the shards (resharded
     by DCP at another world size) and `saved` (`optimizer.json`); parameters with no saved state (never stepped)
     are left out. The module `tensors` the HF files cannot serve are read in place in the same pass."""
-    import torch.distributed.checkpoint as dcp
-
     state_dir = os.path.join(folder, STATE)
     live_groups = template["param_groups"]
     if [g.get("params") for g in saved["param_groups"]] != [g["params"] for g in live_groups]:
@@ -167,7 +164,7 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
         del template["state"][fqn]
     optim_tensors, _ = split(template, state_dir)
     loaded = {"optimizer": {"state": optim_tensors}, "tensors": tensors}
-    dcp.load(loaded, storage_reader=_reader(state_dir))
+    load_once(loaded, lambda: _reader(state_dir), f"reading {state_dir}")
     for fqn, values in template["state"].items():
         values.update(loaded["optimizer"]["state"][fqn])
         values.update({k: _like(v, values.get(k)) for k, v in saved["state"][fqn].items()})
@@ -184,7 +181,17 @@ class ModuleState:
     def __init__(self, slot):
         self.slot = slot
         self._unmapped: frozenset[str] | None = None
+        self._plan = None
         self.stager = None
+
+    @property
+    def plan(self):
+        """Its HF files' plan (`modules.folder_plan`), worked out at the first save."""
+        if self._plan is None:
+            from ..modules.folder_plan import plan_folder
+
+            self._plan = plan_folder(self.slot.module, self.slot.export_dtypes)
+        return self._plan
 
     @property
     def unmapped(self) -> frozenset[str]:

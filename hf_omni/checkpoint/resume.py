@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..config import OmniConfig, module_folder
-from ..dist import agreed, is_main
+from ..dist import agreed, rank, world_size
 from ..modules.weights import read_into, read_through_transformers
 from . import files, module_state
 
@@ -32,7 +32,8 @@ def check(checkpointer, directory: str, weights_only: bool = False) -> dict:
     """Every check of a checkpoint against this model, before anything is loaded (names the module and parameter
     that differ). `weights_only`: a `save_only_model` checkpoint serves too."""
     model = checkpointer.model
-    marker = files.check_complete(directory, verify=checkpointer.verify and is_main())  # agreed on by every rank
+    share = (rank(), world_size())  # each rank checks its share of the digests; the ranks then agree
+    marker = files.check_complete(directory, verify=checkpointer.verify, share=share)
     if marker.get("resumable") is False and not weights_only:
         raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
                          "optimizer state; it cannot be resumed (load it with from_pretrained)")
@@ -108,9 +109,10 @@ def read_weights(checkpointer, name: str, folder: str, dry_run: bool, masters: d
         lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
         if lost:
             raise ValueError(f"module {name!r}: {folder}/{module_state.STATE} lacks {len(lost)} tensors {lost[:5]}")
-        read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped | masters[name])
+        read_into(module, folder, strict=True, module_name=name, dry_run=dry_run, skip=unmapped | masters[name],
+                  replicated=True)
         return
-    missing = read_into(module, folder, module_name=name, dry_run=dry_run)
+    missing = read_into(module, folder, module_name=name, dry_run=dry_run, replicated=True)
     lost = [n for n in missing if n not in unmapped]
     if lost:
         raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")

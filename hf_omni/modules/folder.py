@@ -147,17 +147,83 @@ def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = Fa
     return module
 
 
+def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:
+    """What transformers records as the module's dtype (its first floating parameter's), as exported."""
+    first = next(((n, p) for n, p in module.named_parameters() if p.is_floating_point()), None)
+    return None if first is None else dtypes.get(first[0], first[1].dtype)
+
+
+def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None) -> None:
+    """Rank 0: every file's header, the index, config.json (with the exported dtype), the generation config, the
+    class record, the adapter config (LoRA) and the processor."""
+    from .folder_plan import INDEX
+
+    view = save_view(module)
+    config = view.config
+    config.architectures = [original_class(module).__name__]
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
+    if view.can_generate() and getattr(view, "generation_config", None) is not None:
+        view.generation_config.save_pretrained(folder)
+    if plan.index is not None:
+        with open(os.path.join(folder, INDEX), "w") as f:
+            f.write(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
+    record_original_class(folder, original_class(module))
+    lora = lora_config_of(module)
+    if lora is not None:
+        lora.base_model_name_or_path = None
+        lora.save_pretrained(folder)
+    elif os.path.exists(os.path.join(folder, ADAPTER_CONFIG)):
+        os.remove(os.path.join(folder, ADAPTER_CONFIG))
+    if processor is not None:
+        processor.save_pretrained(folder)
+
+
+def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: bool = True,
+                  max_shard_size: str | int = "50GB") -> None:
+    """`slot`'s module as an HF folder. A module with sharded tensors: every rank calls this and writes its own
+    rows in place (with `merge_lora` a LoRA module is gathered and merged by PEFT on the main process instead);
+    any other module: the main process writes it alone, as transformers' `save_pretrained` would."""
+    from .folder_plan import plan_folder
+    from .folder_write import has_shards, remove_weight_files, write_module_folder
+
+    if merge_lora and lora_config_of(slot.module) is not None:
+        state = slot.full_state()
+        if is_main_process:
+            save_module(slot.module, folder, state, slot.processor, merge_lora=True, dtype=slot.export_dtype)
+        return
+    plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size)
+    if not has_shards(slot.module):
+        if is_main_process:
+            os.makedirs(folder, exist_ok=True)
+            remove_weight_files(folder)
+            write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes, solo=True)
+        return
+    with agreed(f"module {slot.name!r}: preparing {folder}", None):
+        if is_main():
+            os.makedirs(folder, exist_ok=True)
+            remove_weight_files(folder)
+    with agreed(f"module {slot.name!r}: writing {folder}", None):  # every rank its own rows
+        write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes)
+
+
 def write_frozen_source(slot, output_dir: str | None, group) -> None:
     """A fully frozen module with no source (built in memory) is written once to <output_dir>/frozen/<module>/,
-    which becomes its recorded source (every rank calls this; rank 0 writes)."""
+    which becomes its recorded source (every rank calls this and writes its part)."""
     if slot.entry.source:
         return
     if not output_dir:
         raise ValueError(f"module {slot.name!r} is frozen and was built in memory: saving it needs an output_dir "
                          "(args.output_dir, or OmniPlugin(output_dir=...))")
+    from .folder_plan import plan_folder
+    from .folder_write import remove_weight_files, write_module_folder
+
     folder = os.path.abspath(os.path.join(output_dir, "frozen", slot.name))
-    state = slot.full_state()
-    with agreed(f"module {slot.name!r}: writing {folder}", group):
+    with agreed(f"module {slot.name!r}: preparing {folder}", group):
         if is_main():
-            save_module(slot.module, folder, state, slot.processor)
+            os.makedirs(folder, exist_ok=True)
+            remove_weight_files(folder)
+    with agreed(f"module {slot.name!r}: writing {folder}", group):  # every rank its own rows
+        write_module_folder(slot.module, folder, plan_folder(slot.module), slot.processor)
     slot.record_source(folder)

@@ -109,6 +109,11 @@ class ModuleSlot:
         """The dtype its exports record (its first floating parameter's as loaded), where master weights differ."""
         return self.precision.dtype if self.precision is not None else None
 
+    @property
+    def export_dtypes(self) -> dict:
+        """Tensor name -> the dtype it is exported in, where master weights differ from it."""
+        return dict(self.precision.masters) if self.precision is not None else {}
+
     def record_source(self, folder: str) -> None:
         """A module with no recorded source takes `folder` (made absolute) as the one its weights come from."""
         if not self.entry.source:

@@ -143,11 +143,12 @@ def _castable(saved: torch.dtype | None, ours: torch.dtype) -> bool:
 
 @torch.no_grad()
 def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "", dry_run: bool = False,
-              skip: frozenset[str] = frozenset()) -> list[str]:
+              skip: frozenset[str] = frozenset(), replicated: bool = False) -> list[str]:
     """Copy the tensors `folder`'s HF files hold (LoRA adapter beside them) into `module` in place, cast to each
     tensor's own dtype; a sharded tensor reads only this rank's rows. Shapes (and integer dtypes) must match: the
     error names module and tensor. Returns the tensors the files lack (`strict`: an error); `skip` are read
-    elsewhere."""
+    elsewhere. Under HSDP the first replica reads and sends; `replicated` (every rank calls this for a module every
+    rank holds whole): rank 0 reads and broadcasts (`parallel.replicas.read_once`)."""
     weights = SafetensorsIndex.for_weights(folder)
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)
@@ -169,8 +170,10 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     if strict and missing:
         raise ValueError(f"module {module_name!r}: {folder} cannot restore {len(missing)} tensors {missing[:5]}")
     if not dry_run:
-        for tensor, source, key in plan:  # only after every check passed: nothing is half-overwritten
-            copy_rows(tensor, source.read(key, local_rows(tensor)))
+        from ..parallel.replicas import read_once
+
+        read_once([tensor for tensor, _, _ in plan], lambda i: copy_rows(plan[i][0], plan[i][1].read(
+            plan[i][2], local_rows(plan[i][0]))), f"module {module_name!r}: reading {folder}", replicated)
     return missing
 
 

@@ -22,7 +22,7 @@ import hf_omni.checkpoint.module_state as module_state
 import hf_omni.checkpoint.pipeline as save_pipeline
 import hf_omni.checkpoint.shard_writer as shard_writer
 import hf_omni.cli
-import hf_omni.modules.folder as module_io
+import hf_omni.modules.folder_write as module_io
 from hf_omni.checkpoint.checkpointer import ModuleCheckpointer
 from hf_omni.modeling import OmniModel
 from hf_omni.trainer.trainer import OmniTrainer
@@ -127,8 +127,8 @@ POINTS = {
     "backward": (lambda: hook_model("backward", 14), {}),
     # after the first module's optimizer stepped in step 7 (two AdamW steps a training step)
     "optimizer_step": (lambda: kill_on_call(torch.optim.AdamW, "step", counting(13), before=False), {}),
-    "hf_files_first_module": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10), {}),
-    "hf_files_after_module": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10, before=False), {}),
+    "hf_files_first_module": (lambda: kill_on_call(module_io, "write_module_folder", at_ckpt10), {}),
+    "hf_files_after_module": (lambda: kill_on_call(module_io, "write_module_folder", at_ckpt10, before=False), {}),
     "optimizer_json": (lambda: kill_on_call(module_state, "save_json", at_ckpt10), {}),
     "scheduler": (lambda: kill_on_call(module_state, "save_scheduler", at_ckpt10), {}),
     "dcp_shards": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10), {}),
@@ -140,8 +140,10 @@ POINTS = {
     "marker_renamed": (lambda: kill_on_call(files, "write_marker", at_ckpt10, before=False), {}),
     "rotation": (rotation_cut_short, {}),
     "frozen_source_first_save": (
-        lambda: kill_on_call(module_io, "write_module_files", lambda c, a: "frozen" in str(a)), {}),
-    "async_in_flight": (lambda: kill_on_call(module_io, "write_module_files", at_ckpt10), {"save_async": True}),
+        lambda: kill_on_call(module_io, "write_module_folder", lambda c, a: "frozen" in str(a)), {}),
+    "async_in_flight": (lambda: kill_on_call(module_io.Files, "write",  # in the writer thread
+                                             lambda call, args: "checkpoint-10" in args[0].folder),
+                        {"save_async": True}),
     "async_staging": (in_writer_thread_of_ckpt10, {"save_async": True}),
     "async_shards_in_flight": (lambda: kill_on_call(shard_writer.ShardWriter, "write_data",
                                                     lambda call, args: "checkpoint-10" in str(args[0].path)),

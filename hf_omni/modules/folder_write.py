@@ -1,0 +1,234 @@
+"""Every rank writes its own part of a module's HF folder, in place (`folder_plan` gives every key's byte offset).
+
+Who writes which bytes of a tensor written as is:
+- sharded on dim 0 (FSDP2): the ranks holding a shard write its rows; under HSDP the R replicas of a shard each
+  write 1/R of its rows;
+- held whole by every rank (DDP, frozen, no process group): its rows are split over the ranks, a small one
+  (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
+  (running statistics may differ between ranks: a checkpoint holds rank 0's).
+A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first
+replica, from its source tensors gathered there (`dist.gather`, one tensor at a time). Rank 0 writes the headers,
+the index, config.json (the dtype the module exports in), the generation config, the processor and the adapter
+config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a time (a derived
+group: its tensors); nothing funnels the module through one rank. Files are opened without truncation: the caller
+removes stale weight files before any rank writes (`remove_weight_files`), and agrees on success after.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dist import has_process_group, is_main
+from .folder import export_dtype, write_metadata
+from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
+from .weights import local_rows, module_tensors
+
+PIECE = 64 * 2**20  # bytes converted and written at a time
+SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank
+
+
+def remove_weight_files(folder: str) -> None:
+    """Stale safetensors files and index of an earlier save into `folder` (rank 0, before any rank writes)."""
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.endswith(".safetensors") or name == INDEX:
+                os.remove(os.path.join(folder, name))
+
+
+def _rank_world(solo: bool = False) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if has_process_group() and not solo else (0, 1)
+
+
+def _replica(tensor) -> tuple[int, int]:
+    """(this rank's replica index, replica count) over the mesh dimensions where `tensor` is replicated."""
+    from torch.distributed.tensor import Replicate
+
+    index, count = 0, 1
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            index, count = index * tensor.device_mesh.size(dim) + tensor.device_mesh.get_local_rank(dim), \
+                count * tensor.device_mesh.size(dim)
+    return index, count
+
+
+def _chunk(start: int, stop: int, index: int, count: int) -> tuple[int, int]:
+    size = -(-(stop - start) // count) if stop > start else 0
+    lo = min(start + index * size, stop)
+    return lo, min(lo + size, stop)
+
+
+def _sharded(tensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return hasattr(tensor, "placements") and any(isinstance(p, Shard) for p in tensor.placements)
+
+
+def has_shards(module: nn.Module) -> bool:
+    """Whether any of `module`'s tensors is sharded (then every rank takes part in writing it)."""
+    return any(_sharded(t) for t in module_tensors(module).values())
+
+
+def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool = False
+            ) -> tuple[int, int, Any, int] | None:
+    """The rows [lo, hi) of `tensor` (its `number`-th entry in the plan) this rank writes, with the local tensor
+    they are read from and the global row of its row 0; None: nothing. `solo`: this process writes everything.
+    A `buffer` not sharded is rank 0's (BatchNorm statistics may differ between ranks: a checkpoint holds rank 0's)."""
+    rank, world = _rank_world(solo)
+    rows = tensor.shape[0] if tensor.ndim else 1
+    if _sharded(tensor):
+        start, stop = local_rows(tensor)
+        lo, hi = _chunk(start, stop, *_replica(tensor))
+        return (lo, hi, tensor.to_local(), start) if hi > lo else None
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if buffer:
+        return (0, rows, local, 0) if rank == 0 else None
+    if world == 1 or tensor.ndim == 0 or rows < world or nbytes < SMALL:
+        return (0, rows, local, 0) if number % world == rank else None
+    lo, hi = _chunk(0, rows, rank, world)
+    return (lo, hi, local, 0) if hi > lo else None
+
+
+def _bytes(tensor: torch.Tensor, dtype: torch.dtype):
+    piece = tensor.detach().to("cpu", dtype).contiguous().reshape(-1)
+    return piece.view(torch.uint8).numpy()
+
+
+class Files:
+    """Open file descriptors of a folder's files (created, never truncated), written with `pwrite`."""
+
+    def __init__(self, folder: str):
+        self.folder, self.fds = folder, {}
+
+    def write(self, name: str, offset: int, data) -> None:
+        if name not in self.fds:
+            self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY | os.O_CREAT, 0o644)
+        view, done = memoryview(data).cast("B"), 0
+        while done < len(view):
+            done += os.pwrite(self.fds[name], view[done:], offset + done)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self.fds = {}
+
+
+def gather_to(tensor, writer: int):
+    """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
+    group only; a whole one is the writer's own."""
+    import torch.distributed as dist
+
+    if not _sharded(tensor):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local if _rank_world()[0] == writer else None
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    group = mesh.get_group(dim)
+    count = mesh.size(dim)
+    chunk = -(-tensor.shape[0] // count)
+    local = tensor.to_local()
+    padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[:local.shape[0]].copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(count)] if dist.get_rank() == writer else None
+    dist.gather(padded, parts, dst=writer, group=group)
+    return torch.cat(parts)[:tensor.shape[0]] if parts is not None else None
+
+
+def first_replica_ranks(tensor) -> list[int] | None:
+    """The ranks of the first replica's shard group of a sharded tensor, when this rank is in it (else None)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    if _replica(tensor)[0] != 0:
+        return None
+    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    return dist.get_process_group_ranks(tensor.device_mesh.get_group(dim))
+
+
+def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dict, solo: bool = False) -> dict | None:
+    """Group `index` converted on its writer (the keys it derives, as tensors); None on the other ranks. Every rank
+    of the first replica joins the gathers."""
+    kind, sources = plan.groups[index]
+    tensors = module_tensors(module)
+    rank, world = _rank_world(solo)
+    state, writer = {}, None
+    for source in sources:
+        tensor = tensors[source]
+        if _sharded(tensor):
+            ranks = first_replica_ranks(tensor)
+            if ranks is None:
+                continue
+            writer = ranks[index % len(ranks)]
+        else:
+            writer = index % world
+        full = gather_to(tensor, writer)
+        if full is not None:
+            full = full.to("cpu", dtypes.get(source, full.dtype))
+            state.update((key, full) for key in plan.aliases[source])
+    if writer != rank or not state:
+        return None
+    convert = weights_keys if kind == WEIGHTS else adapter_state_dict
+    return convert(module, state)
+
+
+def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
+                        dtypes: dict | None = None, pipeline=None, solo: bool = False) -> None:
+    """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
+    files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
+    `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
+    groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
+    sharded tensor, saved by one rank)."""
+    dtypes = dtypes or {}
+    dtype = export_dtype(module, dtypes)
+    tensors = module_tensors(module)
+    buffers = {name for name, _ in module.named_buffers()}
+    jobs = []  # (file, offset, local tensor rows, dtype)
+    for number, entry in enumerate(plan.entries):
+        if entry.source is None:
+            continue
+        share = my_rows(tensors[entry.source], number, entry.nbytes, solo, entry.source in buffers)
+        if share is None:
+            continue
+        lo, hi, local, first = share
+        rows = tensors[entry.source].shape[0] if entry.shape else 1
+        row_bytes = entry.nbytes // max(rows, 1)
+        values = local[lo - first:hi - first] if local.ndim else local
+        if values.numel():
+            jobs.append((entry.file, entry.offset + lo * row_bytes, values, entry.dtype))
+    for index in range(len(plan.groups)):
+        derived = derived_tensors(module, plan, index, dtypes, solo)
+        for entry in (e for e in plan.entries if e.group == index and derived is not None):
+            jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    main = solo or is_main()
+
+    def write(values):
+        os.makedirs(folder, exist_ok=True)
+        files = Files(folder)
+        try:
+            if main:
+                for name, head in plan.files.items():
+                    files.write(name, 0, head)
+                write_metadata(module, folder, plan, processor, dtype)
+            for (name, offset, _, target), tensor in zip(jobs, values):
+                if tensor.ndim == 0:
+                    files.write(name, offset, _bytes(tensor, target))
+                    continue
+                row_bytes = tensor[0].numel() * target.itemsize
+                rows = max(1, PIECE // max(1, row_bytes))
+                for start in range(0, tensor.shape[0], rows):
+                    files.write(name, offset + start * row_bytes, _bytes(tensor[start:start + rows], target))
+        finally:
+            files.close()
+
+    if pipeline is None:
+        return write([values for _, _, values, _ in jobs])
+    staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)})
+    pipeline.then(lambda: write([staged()[str(i)] for i in range(len(jobs))]), f"writing {folder}")

@@ -1,0 +1,30 @@
+"""Counting the bytes hf_omni's and DCP's safetensors readers request, for tests and benchmarks: mmap'ed reads and
+the page cache hide them from /proc/self/io, so "is each byte read once?" is answered at the readers."""
+
+from __future__ import annotations
+
+
+def count_reads() -> dict:
+    """Wrap the safetensors reads of hf_omni (`SafetensorsIndex.read`) and of DCP's HF reader (each read request's
+    tensor slice) for the rest of the process; returns the counter, `{"bytes": n}`, that they add to."""
+    import math
+
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from ..modules import weights
+
+    counter = {"bytes": 0}
+    read, process = weights.SafetensorsIndex.read, HuggingFaceStorageReader._process_read_request
+
+    def counted_read(self, key, rows=None):
+        out = read(self, key, rows)
+        counter["bytes"] += out.numel() * out.element_size()
+        return out
+
+    def counted_process(self, f, req, planner):
+        counter["bytes"] += math.prod(req.lengths) * planner.resolve_tensor(req).element_size()
+        return process(self, f, req, planner)
+
+    weights.SafetensorsIndex.read = counted_read
+    HuggingFaceStorageReader._process_read_request = counted_process
+    return counter

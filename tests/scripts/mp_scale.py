@@ -1,0 +1,203 @@
+"""Checkpoints at scale, 4 gloo ranks, one launch (`accelerate launch --multi_gpu --num_processes 4`): a model with
+an 8 MB LLM (tensors up to 1 MiB), trained one step through OmniPlugin, saved, resumed and exported in two layouts
+(LLM full shard over 4 with a replicated (DDP) vision tower; LLM HSDP 2 x 2 with the vision tower full shard).
+Records per rank, during each save and export: the bytes received through collectives (`ReceivedBytes`), the bytes
+written (`wchar` of /proc/self/io) and the largest piece of memory the writer converted; after them, rank 0 checks
+each module folder against what transformers' own `save_pretrained` writes for the same tensors (file names, keys
+per file, dtypes, shapes) and its values against the gathered state; a resumed run (other initial weights) takes
+one more step bitwise equal to the straight run. Usage: mp_scale.py OUT_DIR"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers import full_state, tiny_data
+
+from hf_omni import OmniPlugin
+from hf_omni.checkpoint import digests
+from hf_omni.testing.collectives import ReceivedBytes
+from hf_omni.testing.digits import build_model
+from hf_omni.testing.reads import count_reads
+
+HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
+LAYOUTS = {
+    "full_shard": {"vision": {"parallel": "ddp"}, "projector": {"parallel": "ddp"}, "llm": {"parallel": "fsdp"}},
+    "hsdp": {"vision": {"parallel": "fsdp"}, "projector": {"parallel": "ddp"},
+             "llm": {"parallel": "fsdp", "parallelism": HSDP}},
+}
+EXPORT_SHARD = "1MB"  # several safetensors files per module, and an index
+READ = count_reads()  # bytes hf_omni's and DCP's safetensors readers request
+digests.PIECE = 2**20  # files hashed in pieces of 1 MiB (`verify_checkpoint`): several per weights file
+
+
+class Hashed:
+    """Bytes this rank hashed (`verify_checkpoint`'s pieces) while active."""
+
+    def __enter__(self):
+        self.bytes, self.original = 0, digests.piece_sha256
+
+        def counted(path, offset, length):
+            self.bytes += length
+            return self.original(path, offset, length)
+
+        digests.piece_sha256 = counted
+        return self
+
+    def __exit__(self, *exc):
+        digests.piece_sha256 = self.original
+
+
+def model(seed: int = 0):
+    return build_model(hidden=64, layers=2, llm_hidden=256, llm_layers=2, seed=seed)
+
+
+def written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def measured(fn) -> dict:
+    dist.barrier()
+    before, read = written(), READ["bytes"]
+    with ReceivedBytes() as received, Hashed() as hashed:
+        fn()
+    return {"received": received.total, "by_name": dict(received.by_name), "written": written() - before,
+            "hashed": hashed.bytes, "read": READ["bytes"] - read}
+
+
+def prepared(layout: str, out: str, seed: int):
+    from accelerate import Accelerator
+
+    plugin = OmniPlugin(modules=LAYOUTS[layout], defaults={"learning_rate": 1e-3, "verify_checkpoint": True},
+                        output_dir=out)
+    accelerator = Accelerator(cpu=True)
+    composed, optimizer, scheduler = plugin.prepare(accelerator, model(seed), num_training_steps=4)
+    return plugin, composed, optimizer, scheduler
+
+
+def step(composed, optimizer, scheduler, number: int) -> None:
+    data, rank = tiny_data(composed, 64), dist.get_rank()
+    rows = [data[i] for i in range(number * 16 + rank * 4, number * 16 + rank * 4 + 4)]
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    composed(**batch).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def folder_mismatches(folder: str, slot, state: dict, max_shard_size: str = "50GB") -> list[str]:
+    """Rank 0: `folder` against what transformers' own `save_pretrained` writes from the module's gathered `state`
+    (`state_dict=`), file by file: names, keys, header metadata, tensors, the index and generation config; and
+    loaded back with the module's class."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    from hf_omni.modules.classes import original_class, save_view
+
+    problems = []
+    with tempfile.TemporaryDirectory() as reference:
+        view = save_view(slot.module)  # transformers pops what it writes from `state_dict`: a copy
+        view.save_pretrained(reference, state_dict=dict(state), max_shard_size=max_shard_size)
+        os.remove(os.path.join(reference, "config.json"))  # (the wrapper's class and live dtype: checked elsewhere)
+        for name in sorted(n for n in os.listdir(reference) if n.endswith((".safetensors", ".json"))):
+            mine = os.path.join(folder, name)
+            if not os.path.exists(mine):
+                problems.append(f"{name}: missing")
+            elif name.endswith(".json"):
+                if json.load(open(mine)) != json.load(open(os.path.join(reference, name))):
+                    problems.append(f"{name}: differs")
+            else:
+                with safe_open(mine, "pt") as a, safe_open(os.path.join(reference, name), "pt") as b:
+                    if sorted(a.keys()) != sorted(b.keys()) or a.metadata() != b.metadata():
+                        problems.append(f"{name}: keys or metadata")
+                    problems += [f"{name}:{k}: tensor" for k in b.keys() if k in a.keys()
+                                 and not torch.equal(a.get_tensor(k), b.get_tensor(k))]
+        extra = set(n for n in os.listdir(folder) if n.endswith(".safetensors")) - set(os.listdir(reference))
+        problems += [f"{name}: extra" for name in sorted(extra)]
+    with open(os.path.join(folder, "config.json")) as f:
+        if json.load(f)["architectures"] != [original_class(slot.module).__name__]:
+            problems.append("config.json: architectures")
+    loaded = original_class(slot.module).from_pretrained(folder).state_dict()
+    problems += [f"{k}: loaded value" for k, v in state.items() if k in loaded and not torch.equal(loaded[k], v)]
+    return problems
+
+
+def module_states(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+
+
+def disk_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(directory) for n in names)
+
+
+def run(layout: str, out_dir: str) -> dict:
+    out = os.path.join(out_dir, layout)
+    plugin, composed, optimizer, scheduler = prepared(layout, out, seed=0)
+    step(composed, optimizer, scheduler, 0)
+    checkpoint = os.path.join(out, "checkpoint-1")
+    result = {"save": measured(lambda: plugin.save_state(checkpoint, step=1))}
+    export = os.path.join(out, "export")
+    result["export"] = measured(lambda: composed.save_pretrained(export, max_shard_size=EXPORT_SHARD))
+    state = full_state(composed)
+    result["module_bytes"] = {name: sum(p.numel() * p.element_size() for p in module_states(state, name).values())
+                              for name in LAYOUTS[layout]}
+    if dist.get_rank() == 0:
+        result["checkpoint_bytes"] = disk_bytes(checkpoint)
+        with open(os.path.join(checkpoint, "hf_omni_checkpoint.json")) as f:
+            result["listed_bytes"] = sum(json.load(f)["files"].values())
+        result["mismatches"] = {}
+        for name, slot in composed.slots.items():
+            expected = module_states(state, name)
+            result["mismatches"][f"checkpoint/{name}"] = folder_mismatches(os.path.join(checkpoint, name), slot,
+                                                                          expected)
+            result["mismatches"][f"export/{name}"] = folder_mismatches(os.path.join(export, name), slot, expected,
+                                                                      EXPORT_SHARD)
+        result["export_files"] = sorted(os.listdir(os.path.join(export, "llm")))
+    step(composed, optimizer, scheduler, 1)
+    straight = full_state(composed)
+    plugin.close()
+    plugin, resumed, optimizer, scheduler = prepared(layout, os.path.join(out_dir, layout + "_resumed"), seed=1)
+    result["load"] = measured(lambda: plugin.load_state(checkpoint))
+    step(resumed, optimizer, scheduler, 1)
+    again = full_state(resumed)
+    result["resume_mismatch"] = [k for k in straight if not torch.equal(straight[k], again[k])]
+    plugin.close()
+    result["corrupted"] = resume_corrupted(layout, out_dir, checkpoint)
+    return result
+
+
+def resume_corrupted(layout: str, out_dir: str, checkpoint: str) -> str:
+    """One byte of the LLM's weights changed in the middle of the file (size kept): the error each rank raises."""
+    path = os.path.join(checkpoint, "llm", "model.safetensors")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    plugin, _, _, _ = prepared(layout, os.path.join(out_dir, layout + "_corrupted"), seed=1)
+    try:
+        plugin.load_state(checkpoint)
+    except Exception as err:  # every rank: the same error
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def main(out_dir: str):
+    dist.init_process_group("gloo")  # (Accelerate's state takes it over)
+    results = {layout: run(layout, out_dir) for layout in LAYOUTS}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(everyone, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,125 @@
+"""Checkpoints at the scale users train, checked at 4 gloo ranks (tests/scripts/mp_scale.py, one launch): every rank
+writes its own part of each module's HF files (no rank receives a module's tensors), the parts are balanced, the
+folders are what transformers' own `save_pretrained` writes, and a resume from them is bitwise."""
+
+import json
+
+import pytest
+from launching import launch
+
+LAYOUTS = ("full_shard", "hsdp")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mp_scale")
+    launch("mp_scale.py", str(out), processes=4)
+    with open(out / "results.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_module_folders_are_what_transformers_writes(four_ranks, layout):
+    """Written in parallel, each checkpoint and export folder holds the files transformers' `save_pretrained` writes
+    from the gathered state (names, keys per file, header metadata, bytes of every tensor, index, generation
+    config), records the module's own class, and loads back with it; the export is split into several files."""
+    rank0 = four_ranks[0][layout]
+    assert rank0["mismatches"] and all(problems == [] for problems in rank0["mismatches"].values()), \
+        rank0["mismatches"]
+    files = rank0["export_files"]
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_rank_receives_a_module_during_a_save(four_ranks, layout):
+    """Gathering the 8 MB LLM to one rank would receive 3/4 of it there (6.3 MB); a checkpoint save receives only
+    DCP's plans and the agreement flags (under 1 MiB, the largest tensor), an export nothing but the flags."""
+    llm = four_ranks[0][layout]["module_bytes"]["llm"]
+    assert llm > 8 * 10**6
+    for rank in four_ranks:
+        assert rank[layout]["save"]["received"] < MiB, rank[layout]["save"]["by_name"]
+        assert rank[layout]["export"]["received"] < 4096, rank[layout]["export"]["by_name"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("what", ["save", "export"])
+def test_every_rank_writes_a_balanced_share(four_ranks, layout, what):
+    """Bytes written per rank (`wchar`, every write of the process) within 1.5x of the total / world: under HSDP
+    the replicas split their shard's rows, replicated (DDP) tensors are split over every rank."""
+    written = [rank[layout][what]["written"] for rank in four_ranks]
+    assert max(written) <= 1.5 * sum(written) / len(written), written
+    if what == "save":
+        assert sum(written) >= four_ranks[0][layout]["checkpoint_bytes"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_from_the_parallel_files_is_bitwise(four_ranks, layout):
+    """A run started from other weights, resumed from the checkpoint, takes the next step bitwise equal."""
+    assert all(rank[layout]["resume_mismatch"] == [] for rank in four_ranks)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rank_hashes_its_share_of_the_checkpoint(four_ranks, layout):
+    """`verify_checkpoint`: at the save every piece of every file is hashed once in all, each rank about a quarter
+    (not rank 0 alone); at the resume the pieces are dealt again and each rank checks its own."""
+    total = four_ranks[0][layout]["listed_bytes"]  # every file the marker lists
+    for what in ("save", "load"):
+        hashed = [rank[layout][what]["hashed"] for rank in four_ranks]
+        assert max(hashed) <= 1.5 * total / 4, (what, hashed, total)
+        assert sum(hashed) == total
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_corrupted_piece_is_found_by_its_rank_and_every_rank_raises(four_ranks, layout):
+    """One byte flipped in the middle of the LLM's weights (size kept): the rank its piece is dealt to finds it,
+    every rank raises the same error naming the file, the bytes and that rank."""
+    messages = {rank[layout]["corrupted"] for rank in four_ranks}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "llm/model.safetensors does not match its sha256 at bytes" in message and "on rank" in message
+
+
+def test_pieces_are_dealt_by_size_whatever_the_world(monkeypatch, tmp_path):
+    """Files cut into fixed pieces; the pieces dealt largest first to the least loaded rank; a marker from a
+    4-rank save is checked at 1, 2 or 3 ranks (each its own share) and an older whole-file digest still checks."""
+    from hf_omni.checkpoint import digests
+
+    monkeypatch.setattr(digests, "PIECE", 10)
+    sizes = {"a": 25, "b": 0, "c": 10}
+    assert digests.pieces(sizes) == [("a", 0, 10), ("a", 10, 10), ("a", 20, 5), ("b", 0, 0), ("c", 0, 10)]
+    assert digests.deal([10, 10, 5, 0, 10], 2) == [[0, 4], [1, 2, 3]]
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(bytes(range(size)))
+    hashed = {}
+    for rank in range(4):
+        hashed.update(digests.hash_share(str(tmp_path), sizes, rank, 4))
+    recorded = digests.digests_by_file(sizes, hashed)
+    assert [len(v) for v in recorded.values()] == [3, 1, 1]
+    for world in (1, 2, 3):
+        for rank in range(world):
+            digests.check_share(str(tmp_path), sizes, recorded, rank, world)
+    import hashlib
+
+    digests.check_share(str(tmp_path), sizes, {k: hashlib.sha256((tmp_path / k).read_bytes()).hexdigest()
+                                               for k in sizes})
+    (tmp_path / "a").write_bytes(bytes(range(12)) + b"\xff" + bytes(range(13, 25)))
+    found = []
+    for rank in range(2):
+        try:
+            digests.check_share(str(tmp_path), sizes, recorded, rank, 2)
+        except ValueError as err:
+            found.append((rank, str(err)))
+    assert len(found) == 1 and "file a does not match its sha256 at bytes 10-20" in found[0][1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_reads_each_byte_once(four_ranks, layout):
+    """At resume the ranks together request at most the checkpoint's bytes from disk (hf_omni's and DCP's readers,
+    counted): under HSDP the second replica reads nothing of the LLM and receives its shards from the first; a
+    module every rank holds whole (DDP) is read by rank 0 and broadcast."""
+    ranks = [rank[layout]["load"] for rank in four_ranks]
+    total = four_ranks[0][layout]["listed_bytes"]
+    assert sum(rank["read"] for rank in ranks) <= total, [rank["read"] for rank in ranks]
+    if layout == "hsdp":  # ranks 2 and 3: the LLM's second replica (weights and AdamW moments: 3 x 8.4 MB / 2)
+        assert all(ranks[r]["read"] < 2 * MiB and ranks[r]["received"] > 12 * MiB for r in (2, 3))
