@@ -45,10 +45,24 @@ def broadcast_from_main(value, group=None):
     return objects[0]
 
 
-def checkpoint_group():
-    """A gloo group for checkpoint agreement (CPU objects, whatever backend training uses). Every rank must call
-    this, in the same order; None without a process group."""
-    return dist.new_group(backend="gloo") if has_process_group() else None
+_SIDE_GROUPS: dict = {}  # thread -> (the default group it was made under, the gloo group)
+
+
+def checkpoint_group(timeout_s: float | None = None, thread: str = "main"):
+    """hf_omni's gloo group for agreements and small objects beside training's collectives (CPU objects, whatever
+    backend training uses): one per thread that issues them — "main" (checkpoint agreement, offline caches) and
+    "writer" (the async save thread), so two threads never share a group — made once per process group, with
+    `timeout_s` (`ddp_timeout`) as its timeout. Every rank must call this in the same order; None without a
+    process group. Each costs world - 1 sockets per rank once connected (docs/parallel.md)."""
+    if not has_process_group():
+        return None
+    made = _SIDE_GROUPS.get(thread)
+    if made is None or made[0] is not dist.group.WORLD:
+        import datetime
+
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        made = _SIDE_GROUPS[thread] = (dist.group.WORLD, dist.new_group(backend="gloo", **timeout))
+    return made[1]
 
 
 def share_failure(error: BaseException | None, what: str, group) -> None:

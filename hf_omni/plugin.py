@@ -142,7 +142,7 @@ class OmniPlugin:
         device. Call before `prepare`. See `offline.serve.serve_from_caches`."""
         cache_dir = self.args.offline_cache_dir or os.path.join(self.output_dir or ".", "offline_cache")
         return serve_from_caches(model, datasets, cache_dir, self.args.offline_cache, collator, batch_size, device,
-                                 self.output_dir)
+                                 self.output_dir, timeout_s=self.args.ddp_timeout)
 
     def prepare(self, accelerator, model: OmniModel, num_training_steps: int | None = None):
         """Freeze / LoRA / checkpoint / wrap each module in place (`prepare_modules`, unless done already), then
@@ -172,7 +172,8 @@ class OmniPlugin:
                                                          model_fsdp=model_fsdp)
         self.checkpointer = ModuleCheckpointer(model, self.output_dir, self.args.save_async,
                                                verify=self.args.verify_checkpoint,
-                                               show_progress=not self.args.disable_tqdm)
+                                               show_progress=not self.args.disable_tqdm,
+                                               timeout_s=self.args.ddp_timeout)
         return model
 
     def build_optimizers(self, num_training_steps: int | None) -> None:

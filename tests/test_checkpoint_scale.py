@@ -123,3 +123,11 @@ def test_resume_reads_each_byte_once(four_ranks, layout):
     assert sum(rank["read"] for rank in ranks) <= total, [rank["read"] for rank in ranks]
     if layout == "hsdp":  # ranks 2 and 3: the LLM's second replica (weights and AdamW moments: 3 x 8.4 MB / 2)
         assert all(ranks[r]["read"] < 2 * MiB and ranks[r]["received"] > 12 * MiB for r in (2, 3))
+
+
+def test_side_groups_are_few_and_use_ddp_timeout(four_ranks):
+    """Over the whole launch (two layouts, four prepared runs, an async save, resumes, exports) hf_omni makes two
+    gloo groups beside training's: one for the main thread's agreements and one for the async writer thread, each
+    with `ddp_timeout`, made once and reused."""
+    for rank in four_ranks:
+        assert sorted(rank["side_groups"]) == [["MainThread", 321.0], ["MainThread", 321.0]], rank["side_groups"]

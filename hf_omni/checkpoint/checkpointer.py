@@ -32,7 +32,7 @@ class ModuleCheckpointer:
     source (a module built in memory is written once to `<output_dir>/frozen/<module>/`)."""
 
     def __init__(self, model, output_dir: str | None, save_async: bool, verify: bool = False,
-                 show_progress: bool = True):
+                 show_progress: bool = True, timeout_s: float | None = None):
         self.model, self.show_progress = model, show_progress
         self.output_dir, self.save_async, self.verify = output_dir, save_async, verify
         self.trainable = [name for name, slot in model.slots.items() if slot.trains]
@@ -40,8 +40,8 @@ class ModuleCheckpointer:
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
         self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
         self._exit_hook = False
-        self.group = checkpoint_group()  # every step one rank does alone ends in an agreement on this group
-        self.async_group = checkpoint_group() if save_async else None  # the background writer's collectives
+        self.group = checkpoint_group(timeout_s)  # every step one rank does alone ends in an agreement on it
+        self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the writer thread's
         self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
 
     def folder(self, directory: str, name: str) -> str:

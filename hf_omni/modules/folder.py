@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..dist import agreed, is_main
+from ..dist import agreed, checkpoint_group, is_main
 from .classes import original_class, save_view
 from .empty_init import build_empty
 from .lora import (
@@ -200,11 +200,11 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
             remove_weight_files(folder)
             write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes, solo=True)
         return
-    with agreed(f"module {slot.name!r}: preparing {folder}", None):
+    with agreed(f"module {slot.name!r}: preparing {folder}", checkpoint_group()):
         if is_main():
             os.makedirs(folder, exist_ok=True)
             remove_weight_files(folder)
-    with agreed(f"module {slot.name!r}: writing {folder}", None):  # every rank its own rows
+    with agreed(f"module {slot.name!r}: writing {folder}", checkpoint_group()):  # every rank its own rows
         write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes)
 
 

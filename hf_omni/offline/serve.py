@@ -56,7 +56,7 @@ class CachedRows(torch.utils.data.Dataset):
 
 
 def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator, batch_size: int, device,
-                      output_dir: str | None) -> dict:
+                      output_dir: str | None, timeout_s: float | None = None) -> dict:
     """Each dataset served as `CachedRows`. Per offline module (a slot with an `encoder`) and split: the cache's
     fingerprint checked; a stale or missing cache recomputed (logged) — or, `mode="read_only"`, refused naming what
     changed — with the module read whole once (an `empty_init` module, from its files); then the module's source
@@ -67,7 +67,7 @@ def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator
             raise OmniArgumentError(None, "offline_modules", f"the {split} dataset is {type(dataset).__name__}: "
                                     "offline caches are keyed by row index and need a map-style dataset (a "
                                     "datasets.Dataset or a torch Dataset with __getitem__ and __len__)")
-    group = checkpoint_group()
+    group = checkpoint_group(timeout_s)
     served: dict[str, dict] = {split: {} for split in datasets}
     for slot in [s for s in model.slots.values() if s.encoder is not None]:
         name, spec, folder = slot.name, slot.encoder, slot.weights

@@ -76,10 +76,10 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
     is then read once in all."""
     import torch.distributed as dist
 
-    from ..dist import agreed, has_process_group
+    from ..dist import agreed, checkpoint_group, has_process_group
 
     if replicated_mesh(tensors) is not None:
-        with agreed(what, None):
+        with agreed(what, checkpoint_group()):
             for i, tensor in enumerate(tensors):
                 if is_reader(tensor):
                     read(i)
@@ -90,7 +90,7 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
         for i in range(len(tensors)):
             read(i)
         return
-    with agreed(what, None):
+    with agreed(what, checkpoint_group()):
         if dist.get_rank() == 0:
             for i in range(len(tensors)):
                 read(i)
@@ -112,12 +112,12 @@ def load_once(state: dict, reader, what: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.utils._pytree import tree_leaves
 
-    from ..dist import agreed, has_process_group, is_main, world_size
+    from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
 
     tensors = [t for t in tree_leaves(state) if torch.is_tensor(t)]
     found, sharded = replicated_mesh(tensors), any(hasattr(t, "placements") for t in tensors)
     if found is None and not sharded and has_process_group() and world_size() > 1:
-        with agreed(what, None):
+        with agreed(what, checkpoint_group()):
             if is_main():
                 dcp.load(state, storage_reader=reader(), no_dist=True)
         return share_from_rank0(tensors)
@@ -126,7 +126,7 @@ def load_once(state: dict, reader, what: str) -> None:
     mesh, shard_dim = found
     group = mesh.get_group(shard_dim) if shard_dim is not None else None
     first = all(is_reader(t) for t in tensors if hasattr(t, "placements"))
-    with agreed(what, None):
+    with agreed(what, checkpoint_group()):
         if first:
             dcp.load(state, storage_reader=reader(), process_group=group)
     share_from_first_replica(tensors)

@@ -32,6 +32,24 @@ READ = count_reads()  # bytes hf_omni's and DCP's safetensors readers request
 digests.PIECE = 2**20  # files hashed in pieces of 1 MiB (`verify_checkpoint`): several per weights file
 
 
+TIMEOUT = 321  # ddp_timeout, seconds
+SIDE_GROUPS = []  # (thread name, timeout) of every group hf_omni.dist creates
+
+
+def count_side_groups() -> None:
+    import threading
+
+    original = dist.new_group
+
+    def new_group(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") == "hf_omni.dist":
+            timeout = kwargs.get("timeout")
+            SIDE_GROUPS.append((threading.current_thread().name, timeout.total_seconds() if timeout else None))
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group
+
+
 class Hashed:
     """Bytes this rank hashed (`verify_checkpoint`'s pieces) while active."""
 
@@ -70,8 +88,9 @@ def measured(fn) -> dict:
 def prepared(layout: str, out: str, seed: int):
     from accelerate import Accelerator
 
-    plugin = OmniPlugin(modules=LAYOUTS[layout], defaults={"learning_rate": 1e-3, "verify_checkpoint": True},
-                        output_dir=out)
+    defaults = {"learning_rate": 1e-3, "verify_checkpoint": True, "ddp_timeout": TIMEOUT,
+                "save_async": layout == "hsdp"}  # (the HSDP layout saves in the background)
+    plugin = OmniPlugin(modules=LAYOUTS[layout], defaults=defaults, output_dir=out)
     accelerator = Accelerator(cpu=True)
     composed, optimizer, scheduler = plugin.prepare(accelerator, model(seed), num_training_steps=4)
     return plugin, composed, optimizer, scheduler
@@ -138,7 +157,7 @@ def run(layout: str, out_dir: str) -> dict:
     plugin, composed, optimizer, scheduler = prepared(layout, out, seed=0)
     step(composed, optimizer, scheduler, 0)
     checkpoint = os.path.join(out, "checkpoint-1")
-    result = {"save": measured(lambda: plugin.save_state(checkpoint, step=1))}
+    result = {"save": measured(lambda: (plugin.save_state(checkpoint, step=1), plugin.wait_for_save()))}
     export = os.path.join(out, "export")
     result["export"] = measured(lambda: composed.save_pretrained(export, max_shard_size=EXPORT_SHARD))
     state = full_state(composed)
@@ -190,7 +209,9 @@ def resume_corrupted(layout: str, out_dir: str, checkpoint: str) -> str:
 
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
+    count_side_groups()
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
+    results["side_groups"] = SIDE_GROUPS
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
