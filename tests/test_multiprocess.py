@@ -36,6 +36,8 @@ def test_two_ranks_equal_one_rank(two_rank_results, tmp_path, name):
     atol = SCENARIOS[name]["atol"]
     if SCENARIOS[name].get("offline"):  # trained from the cache: the vision encoder stayed on the meta device
         assert got["facts"]["wrapped"]["vision"] == "offline" and not any(k.startswith("vision.") for k in got["state"])
+        hashes = got["facts"]["fingerprint_hashes"]  # rank 0 fingerprints the cache (weights, rows), rank 1 receives
+        assert hashes[0] >= 2 and hashes[1] == 0, hashes
         state = {k: v for k, v in state.items() if not k.startswith("vision.")}
     assert got["losses"] == pytest.approx(losses, abs=atol)
     assert_state_close(got["state"], state, atol=atol)

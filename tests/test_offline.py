@@ -227,3 +227,22 @@ def test_encode_command_builds_the_caches_and_trains_nothing(tmp_path):
     done = subprocess.run(train, capture_output=True, text=True, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out caption accuracy" in done.stdout and os.path.isfile(tmp_path / "run" / "config.json")
+
+
+def test_encoding_writes_bounded_parts_as_it_goes(tmp_path, monkeypatch):
+    """Outputs are written in parts of about `HELD` bytes as they are encoded, not held until the end: here 4 KB,
+    less than one encoding batch (8 rows of 2 KB), so each of the 4 batches is a part; the cache serves the same
+    rows as one written in one part."""
+    small, whole = tmp_path / "small", tmp_path / "whole"
+    monkeypatch.setattr(offline_cache, "HELD", 4096)
+    trainer(tmp_path / "a", offline_modules=["vision"], offline_cache_dir=str(small), steps=1).train()
+    monkeypatch.undo()
+    trainer(tmp_path / "b", offline_modules=["vision"], offline_cache_dir=str(whole), steps=1).train()
+    parts = [p for p in os.listdir(small / "vision-train") if p.startswith("part-")]
+    assert len(parts) == 4 and [p for p in os.listdir(whole / "vision-train") if p.startswith("part-")] == \
+        ["part-00000-00000"]
+    for part in parts:
+        held = sum(f.stat().st_size for f in (small / "vision-train" / part).glob("*.arrow"))
+        assert held < 8 * 2048 + 4096, (part, held)  # one batch, plus Arrow's framing
+    a, b = offline_cache.Cache(str(small / "vision-train"), 32), offline_cache.Cache(str(whole / "vision-train"), 32)
+    assert all(torch.equal(a.row(i), b.row(i)) for i in range(32))

@@ -150,11 +150,20 @@ def changes(manifest: dict | None, want: dict, rows: int) -> list[str]:
 
 
 # -- writing ----------------------------------------------------------------------------------------------
+HELD = 128 * 2**20  # encoder output bytes held before they are written as one part (Arrow's copy doubles it)
+
+
+def _empty_part() -> dict:
+    return {"row": [], "value": [], "shape": [], "dtype": []}
+
+
 @torch.no_grad()
-def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict:
-    """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs."""
+def encode_rows(model, spec, dataset, collator, batch_size: int, device):
+    """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs; yields
+    them in parts of about `HELD` bytes of outputs (at least one part, maybe empty), so that encoding holds a
+    bounded amount whatever the dataset's size."""
     method = functools.partial(getattr(type(model), spec.method).encoder_function, model)  # no cross-rank step
-    out = {"row": [], "value": [], "shape": [], "dtype": []}
+    out, held, parts = _empty_part(), 0, 0
     mine = list(range(rank(), len(dataset), world_size()))
     for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):
         chunk = mine[start:start + batch_size]
@@ -175,7 +184,12 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device) -> dict
             out["value"].append(np.frombuffer(raw_bytes(value), dtype=np.uint8) if value is not None else None)
             out["shape"].append(list(value.shape) if value is not None else [])
             out["dtype"].append(str(value.dtype).removeprefix("torch.") if value is not None else "")
-    return out
+            held += 0 if value is None else len(out["value"][-1])
+        if held >= HELD:
+            yield out
+            out, held, parts = _empty_part(), 0, parts + 1
+    if out["row"] or not parts:
+        yield out
 
 
 def arrow_columns(rows: dict) -> dict:
@@ -194,8 +208,8 @@ def arrow_columns(rows: dict) -> dict:
 
 
 def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_size: int, device, group) -> None:
-    """Every rank encodes its rows into `<folder>.partial/part-<rank>`; then rank 0 writes the manifest and renames
-    the folder into place (the previous, stale cache removed first)."""
+    """Every rank encodes its rows into `<folder>.partial/part-<rank>-<n>`, one part per `HELD` bytes of outputs;
+    then rank 0 writes the manifest and renames the folder into place (the previous, stale cache removed first)."""
     from datasets import Dataset, Features, Sequence, Value
 
     partial = folder + ".partial"
@@ -204,10 +218,11 @@ def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_s
             shutil.rmtree(partial, ignore_errors=True)  # left by an encode that was killed
             os.makedirs(partial)
     with agreed(f"module {spec.module!r}: encoding into {partial}", group):
-        rows = encode_rows(model, spec, dataset, collator, batch_size, device)
         features = Features({"row": Value("int64"), "value": Value("large_binary"), "shape": Sequence(Value("int64")),
                              "dtype": Value("string")})
-        Dataset.from_dict(arrow_columns(rows), features=features).save_to_disk(os.path.join(partial, f"part-{rank():05d}"))
+        for number, rows in enumerate(encode_rows(model, spec, dataset, collator, batch_size, device)):
+            Dataset.from_dict(arrow_columns(rows), features=features).save_to_disk(
+                os.path.join(partial, f"part-{rank():05d}-{number:05d}"))
     with agreed(f"offline cache: writing {folder}", group):
         if is_main():
             with open(os.path.join(partial, MANIFEST), "w") as f:

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..dist import checkpoint_group, has_process_group, world_size
+from ..dist import agreed, broadcast_from_main, checkpoint_group, has_process_group, is_main, world_size
 from ..errors import OmniArgumentError
 from ..modules.folder import write_frozen_source
 from ..modules.weights import fill_module
@@ -73,7 +73,9 @@ def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator
         name, spec, folder = slot.name, slot.encoder, slot.weights
         for split, dataset in datasets.items():
             target = os.path.join(cache_dir, f"{name}-{split}")
-            want = fingerprint(model, spec, dataset, folder, collator)
+            with agreed(f"module {name!r}: fingerprinting the {split} split", group):  # rank 0 hashes, once
+                want = fingerprint(model, spec, dataset, folder, collator) if is_main() else None
+            want = broadcast_from_main(want, group)
             changed = every_rank_changes(changes(read_manifest(target), want, len(dataset)), group)
             if changed:
                 if mode == "read_only":

@@ -51,13 +51,33 @@ class ReadLog:
         SafetensorsIndex.read = read
 
 
+class HashedBytes:
+    """How many hashes of module tensors, weight files or dataset rows this rank computed for offline caches'
+    fingerprints."""
+
+    def __init__(self):
+        from hf_omni.offline import cache
+
+        self.calls = 0
+        for name in ("tensors_hash", "files_hash", "dataset_hash"):
+            setattr(cache, name, self.counted(getattr(cache, name)))
+
+    def counted(self, fn):
+        def wrapper(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
 def main(out_dir: str, names: list[str]):
     os.environ.update(FSDP_ENV)  # must change nothing
     os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")
-    reads = ReadLog()
+    reads, hashed = ReadLog(), HashedBytes()
     for name in names:
         spec = SCENARIOS[name]
         reads.reads.clear()
+        hashed.calls = 0
         model = getattr(helpers, spec["model"])()
         data = helpers.tiny_data(model)
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
@@ -81,7 +101,9 @@ def main(out_dir: str, names: list[str]):
             "reads": list(reads.reads),
             "fsdp_units": {n: sum(hasattr(m, "unshard") for m in module.modules())
                            for n, module in model.omni_modules().items()},
+            "fingerprint_hashes": [None] * dist.get_world_size(),  # per rank
         }
+        dist.all_gather_object(facts["fingerprint_hashes"], hashed.calls)
         state = full_state(model)
         trainer.save_model(os.path.join(out_dir, name, "export"))
         if dist.get_rank() == 0:
