@@ -43,11 +43,11 @@ def test_async_save_holds_the_state_of_its_moment(tmp_path, monkeypatch):
     release = __import__("threading").Event()
     copy = save_pipeline.copy_to_cpu
 
-    def logged_copy(tensor):  # the background copies wait until the loop reached its optimizer step
+    def logged_copy(tensor, *args):  # the background copies wait until the loop reached its optimizer step
         if __import__("threading").current_thread().name.startswith("hf_omni_save"):
             release.wait()
             order.append("late copy")
-        return copy(tensor)
+        return copy(tensor, *args)
 
     monkeypatch.setattr(save_pipeline, "copy_to_cpu", logged_copy)
     fence = optimizer.before_step
@@ -132,3 +132,29 @@ def test_a_re_save_into_a_folder_drops_its_old_shards(tmp_path):
         for index, values in states.items():
             for key, value in values.items():
                 assert torch.equal(snapshot(other_model, other_optimizer)[1][name][index][key], value)
+
+
+def test_async_copies_reuse_their_staging_buffers_and_hold_each_saves_values(tmp_path):
+    """The parameters' host copies of an async save go into buffers kept from one save to the next (pinned when
+    CUDA is there: the same path runs here without it), on the copy stream; each checkpoint's files still hold the
+    values of its own moment, though the second save overwrote the buffers the first one wrote from."""
+    from safetensors.torch import load_file
+
+    plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=True)
+    batches = list(DataLoader(Batches(24), batch_size=4))
+    pipeline, saved, buffers = plugin.checkpointer.pipeline, [], []
+    for number, batch in enumerate(batches[:2]):
+        step(model, optimizer, scheduler, batch)
+        saved.append(model.projector.state_dict()["layers.0.weight"].clone())
+        plugin.save_state(str(tmp_path / f"ckpt{number}"))
+        plugin.wait_for_save()
+        buffers.append({name: tensor.data_ptr() for name, tensor in pipeline.staging.buffers.items()})
+    assert buffers[0] and buffers[0] == buffers[1] and any(name.startswith("projector/") for name in buffers[0])
+    assert all(t.is_pinned() == torch.cuda.is_available() for t in pipeline.staging.buffers.values())
+    assert pipeline.stream.cuda == torch.cuda.is_available()
+    assert not torch.equal(saved[0], saved[1])
+    for number in (0, 1):
+        written = load_file(str(tmp_path / f"ckpt{number}" / "projector" / "model.safetensors"))
+        assert torch.equal(written["layers.0.weight"], saved[number])
+    plugin.close()
+    assert pipeline.staging.buffers == {}

@@ -6,7 +6,8 @@ group). The loop goes on meanwhile: parameters and optimizer state change only i
 waits for the copies (`fence()`, which `ModuleOptimizers.step` calls) and the copies overlap the next forward and
 backward instead of stalling the loop. Buffers can change in a forward (BatchNorm statistics, DDP's broadcast of
 them): they are copied at once. Tensors that belong to no module (a sharded module's gathered weights) are
-already private: not copied at all.
+already private: not copied at all. The late copies go into reused (pinned) buffers on a copy stream of their own
+(`staging`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..dist import agreed
+from .staging import CopyStream, Staging
 
 
 def storage_of(tensor: torch.Tensor) -> int:
@@ -25,8 +27,15 @@ def storage_of(tensor: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def copy_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True).contiguous()
+def copy_to_cpu(tensor: torch.Tensor, into: torch.Tensor | None = None, non_blocking: bool = False) -> torch.Tensor:
+    """`tensor` on the host: into `into` (a reused staging buffer; `non_blocking` on the copy stream, which is
+    synchronised before any write) when given, else a fresh copy."""
+    local = tensor.detach()
+    local = local.to_local() if hasattr(local, "to_local") else local
+    if into is None:
+        return local.to("cpu", copy=True).contiguous()
+    into.copy_(local, non_blocking=non_blocking and into.is_pinned())
+    return into
 
 
 class BackgroundWriteError(RuntimeError):
@@ -53,17 +62,20 @@ class SavePipeline:
         self._staged: concurrent.futures.Future | None = None
         self._params: set[int] = set()
         self._buffers: set[int] = set()
+        self.staging, self.stream = Staging(), CopyStream()
 
     def begin(self, modules: list[nn.Module]) -> None:
-        """A new save of `modules` (the previous one finished): learn which storages are live parameters and
-        buffers."""
+        """A new save of `modules` (the previous one finished; its optimizer step issued): learn which storages are
+        live parameters and buffers, and mark where the copies may start on the device."""
         self._copies, self._writes = [], []
+        self.stream.mark()
         self._params = {storage_of(p) for m in modules for p in m.parameters()}
         self._buffers = {storage_of(b) for m in modules for b in m.buffers()}
 
-    def snapshot(self, tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+    def snapshot(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> Callable[[], dict[str, torch.Tensor]]:
         """`tensors` as they are now, on CPU: buffers copied here, parameters in the pipeline's thread before the
-        next optimizer step, private tensors kept. Returns the getter the writes call."""
+        next optimizer step (into staging buffers named `prefix` + name, reused by the next save), private tensors
+        kept. Returns the getter the writes call."""
         out, late = {}, []
         for name, tensor in tensors.items():
             where = storage_of(tensor)
@@ -75,7 +87,8 @@ class SavePipeline:
                 out[name] = tensor.detach().to("cpu").contiguous()
 
         def copy_late():
-            out.update({name: copy_to_cpu(tensors[name]) for name in late})
+            out.update({name: copy_to_cpu(tensors[name], self.staging.buffer(prefix + name, tensors[name]), True)
+                        for name in late})
 
         self._copies.append(copy_late)
         return lambda: out
@@ -107,7 +120,7 @@ class SavePipeline:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)  # the stager's synchronize waits on this rank's own GPU
-                with agreed("copying the state of an async save", group):
+                with agreed("copying the state of an async save", group), self.stream.copying():
                     for copy in copies:
                         copy()
             finally:
@@ -125,6 +138,7 @@ class SavePipeline:
             concurrent.futures.wait([self._staged])
 
     def close(self) -> None:
+        self.staging.release()
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None

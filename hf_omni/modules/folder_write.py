@@ -230,5 +230,6 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
 
     if pipeline is None:
         return write([values for _, _, values, _ in jobs])
-    staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)})
+    staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)},
+                               prefix=os.path.basename(folder) + "/")
     pipeline.then(lambda: write([staged()[str(i)] for i in range(len(jobs))]), f"writing {folder}")
