@@ -131,3 +131,13 @@ def test_side_groups_are_few_and_use_ddp_timeout(four_ranks):
     with `ddp_timeout`, made once and reused."""
     for rank in four_ranks:
         assert sorted(rank["side_groups"]) == [["MainThread", 321.0], ["MainThread", 321.0]], rank["side_groups"]
+
+
+def test_a_merged_lora_export_is_merged_row_by_row(four_ranks):
+    """`save_pretrained(merge_lora=True)` of the fully sharded LoRA LLM: every rank merges and writes its own rows
+    (receiving only lora_A, r rows per layer: well under 64 KB, where a gathered LLM would be 6.3 MB); the file
+    equals PEFT's own merge of the gathered module and has no adapter beside it."""
+    rank0 = four_ranks[0]["lora_merge"]
+    assert rank0["keys_equal"] and rank0["max_diff"] <= 1e-6 and rank0["adapter_files"] == []
+    for rank in four_ranks:
+        assert rank["lora_merge"]["export"]["received"] < 64 * 1024, rank["lora_merge"]["export"]["by_name"]

@@ -189,3 +189,35 @@ def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
     state = {k: v for k, v in eager.state_dict().items() if ".pooler." not in k}
     for key, value in state.items():
         assert torch.equal(value, empty.state_dict()[key]), key
+
+
+def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypatch):
+    """Plain LoRA on Linear layers is merged row by row where the rows are written (W + scaling · B A, no gathered
+    copy, no PEFT merge): the files equal PEFT's own `merge_and_unload` within float rounding; DoRA still goes
+    through PEFT on a gathered copy."""
+    from safetensors.torch import load_file
+
+    import hf_omni.modules.folder as folder_io
+    from hf_omni.modules.lora import base_state_dict, merged_module
+
+    model = tiny_model().eval()
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                       init_lora_weights=False), model.llm)
+    expected = merged_module(model.llm, dict(model.llm.state_dict())).state_dict()
+    peft_merges = []
+    original = folder_io.save_module
+    monkeypatch.setattr(folder_io, "save_module", lambda *a, **k: peft_merges.append(1) or original(*a, **k))
+    model.save_pretrained(tmp_path / "rows", merge_lora=True)
+    assert peft_merges == []
+    written = load_file(str(tmp_path / "rows" / "llm" / "model.safetensors"))
+    assert written.keys() == expected.keys()
+    for key, value in written.items():
+        assert torch.allclose(value, expected[key], atol=1e-6, rtol=0), key
+    assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"],
+                           base_state_dict(dict(model.llm.state_dict()))["model.layers.0.self_attn.q_proj.weight"])
+
+    dora = tiny_model().eval()
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False),
+                            dora.llm)
+    dora.save_pretrained(tmp_path / "dora", merge_lora=True)
+    assert peft_merges == [1]

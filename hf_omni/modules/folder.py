@@ -9,6 +9,7 @@ A LoRA module (adapters injected in place with PEFT) is written as its base weig
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -153,7 +154,7 @@ def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:
     return None if first is None else dtypes.get(first[0], first[1].dtype)
 
 
-def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None) -> None:
+def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None, merged: bool = False) -> None:
     """Rank 0: every file's header, the index, config.json (with the exported dtype), the generation config, the
     class record, the adapter config (LoRA) and the processor."""
     from .folder_plan import INDEX
@@ -170,12 +171,14 @@ def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=N
         with open(os.path.join(folder, INDEX), "w") as f:
             f.write(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
     record_original_class(folder, original_class(module))
-    lora = lora_config_of(module)
+    lora = None if merged else lora_config_of(module)
     if lora is not None:
         lora.base_model_name_or_path = None
         lora.save_pretrained(folder)
-    elif os.path.exists(os.path.join(folder, ADAPTER_CONFIG)):
-        os.remove(os.path.join(folder, ADAPTER_CONFIG))
+    else:
+        for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            if os.path.exists(os.path.join(folder, stale)):
+                os.remove(os.path.join(folder, stale))
     if processor is not None:
         processor.save_pretrained(folder)
 
@@ -183,29 +186,35 @@ def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=N
 def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: bool = True,
                   max_shard_size: str | int = "50GB") -> None:
     """`slot`'s module as an HF folder. A module with sharded tensors: every rank calls this and writes its own
-    rows in place (with `merge_lora` a LoRA module is gathered and merged by PEFT on the main process instead);
-    any other module: the main process writes it alone, as transformers' `save_pretrained` would."""
+    rows in place (`merge_lora`: merged row by row, `lora_merge`; a LoRA that needs PEFT's own merge is gathered
+    and merged on the main process); any other module: the main process writes it alone, as transformers'
+    `save_pretrained` would."""
     from .folder_plan import plan_folder
     from .folder_write import has_shards, remove_weight_files, write_module_folder
+    from .lora_merge import row_merge_plan
 
-    if merge_lora and lora_config_of(slot.module) is not None:
+    lora = lora_config_of(slot.module) is not None
+    merge = row_merge_plan(slot.module) if merge_lora and lora else None
+    if merge_lora and lora and merge is None:
         state = slot.full_state()
         if is_main_process:
             save_module(slot.module, folder, state, slot.processor, merge_lora=True, dtype=slot.export_dtype)
         return
-    plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size)
+    plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size, merged=merge is not None)
+    write = functools.partial(write_module_folder, slot.module, folder, plan, slot.processor,
+                              dtypes=slot.export_dtypes, merge=merge)
     if not has_shards(slot.module):
         if is_main_process:
             os.makedirs(folder, exist_ok=True)
             remove_weight_files(folder)
-            write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes, solo=True)
+            write(solo=True)
         return
     with agreed(f"module {slot.name!r}: preparing {folder}", checkpoint_group()):
         if is_main():
             os.makedirs(folder, exist_ok=True)
             remove_weight_files(folder)
     with agreed(f"module {slot.name!r}: writing {folder}", checkpoint_group()):  # every rank its own rows
-        write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes)
+        write()
 
 
 def write_frozen_source(slot, output_dir: str | None, group) -> None:

@@ -144,9 +144,9 @@ def header(entries: list[Entry]) -> bytes:
 
 
 def plan_folder(module: nn.Module, dtypes: dict[str, torch.dtype] | None = None,
-                max_shard_size: str | int = MAX_SHARD_SIZE) -> FolderPlan:
-    """The plan of `module`'s HF files (weights, and the adapter file of a LoRA module); every rank computes the
-    same one."""
+                max_shard_size: str | int = MAX_SHARD_SIZE, merged: bool = False) -> FolderPlan:
+    """The plan of `module`'s HF files (weights, and the adapter file of a LoRA module; `merged`: the weights of
+    the LoRA merged into them alone); every rank computes the same one."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     state, owner = placeholders(module, dtypes or {})
@@ -156,10 +156,12 @@ def plan_folder(module: nn.Module, dtypes: dict[str, torch.dtype] | None = None,
     layout = [(WEIGHTS, name, {k: weights[k] for k in keys}) for name, keys in split.filename_to_tensors.items()]
     if split.is_sharded:
         total = module.num_parameters() if hasattr(module, "num_parameters") else None  # as transformers records
+        if total is not None and merged:
+            total -= sum(p.numel() for n, p in module.named_parameters() if ".lora_" in n)
         plan.index = {"metadata": {**({"total_parameters": total} if total is not None else {}),
                                    "total_size": sum(_nbytes(v.shape, v.dtype) for v in weights.values())},
                       "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-    if lora_config_of(module) is not None:
+    if lora_config_of(module) is not None and not merged:
         layout.append((ADAPTER, ADAPTER_WEIGHTS, adapter_state_dict(module, state)))
     converters = {WEIGHTS: lambda s: weights_keys(module, s), ADAPTER: lambda s: adapter_state_dict(module, s)}
     for kind, name, tensors in layout:

@@ -25,6 +25,7 @@ from torch import nn
 from ..dist import has_process_group, is_main
 from .folder import export_dtype, write_metadata
 from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
+from .lora_merge import full, merged_rows
 from .weights import local_rows, module_tensors
 
 PIECE = 64 * 2**20  # bytes converted and written at a time
@@ -180,16 +181,19 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
 
 
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
-                        dtypes: dict | None = None, pipeline=None, solo: bool = False) -> None:
+                        dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None
+                        ) -> None:
     """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
     `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
     groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
-    sharded tensor, saved by one rank)."""
+    sharded tensor, saved by one rank). `merge` (`lora_merge.row_merge_plan`, with a `merged` plan): each LoRA
+    layer's weight rows written merged."""
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
     buffers = {name for name, _ in module.named_buffers()}
+    lora_a = {a: full(tensors[a]) for a, _, _ in (merge or {}).values()}  # every rank, in the same order
     jobs = []  # (file, offset, local tensor rows, dtype)
     for number, entry in enumerate(plan.entries):
         if entry.source is None:
@@ -201,6 +205,9 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         rows = tensors[entry.source].shape[0] if entry.shape else 1
         row_bytes = entry.nbytes // max(rows, 1)
         values = local[lo - first:hi - first] if local.ndim else local
+        if merge and entry.source in merge:
+            a, b, scaling = merge[entry.source]
+            values = merged_rows(values, lo, hi, tensors[b], lora_a[a], scaling)
         if values.numel():
             jobs.append((entry.file, entry.offset + lo * row_bytes, values, entry.dtype))
     for index in range(len(plan.groups)):
@@ -216,7 +223,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
             if main:
                 for name, head in plan.files.items():
                     files.write(name, 0, head)
-                write_metadata(module, folder, plan, processor, dtype)
+                write_metadata(module, folder, plan, processor, dtype, merged=bool(merge))
             for (name, offset, _, target), tensor in zip(jobs, values):
                 if tensor.ndim == 0:
                     files.write(name, offset, _bytes(tensor, target))

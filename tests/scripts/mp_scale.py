@@ -207,10 +207,40 @@ def resume_corrupted(layout: str, out_dir: str, checkpoint: str) -> str:
     return "loaded"
 
 
+LORA = {"vision": {"parallel": "ddp"}, "projector": {"parallel": "ddp"},
+        "llm": {"parallel": "fsdp", "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}
+
+
+def merged_lora_export(out_dir: str) -> dict:
+    """The LLM with LoRA, fully sharded, one step, exported with `merge_lora`: what each rank received, and on rank
+    0 the largest difference of every written tensor from PEFT's own merge of the gathered module."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from hf_omni.modules.lora import merged_module
+
+    out = os.path.join(out_dir, "lora")
+    plugin = OmniPlugin(modules=LORA, defaults={"learning_rate": 1e-2}, output_dir=out)
+    composed, optimizer, scheduler = plugin.prepare(Accelerator(cpu=True), model(), num_training_steps=4)
+    step(composed, optimizer, scheduler, 0)
+    export = os.path.join(out, "export")
+    result = {"export": measured(lambda: composed.save_pretrained(export, merge_lora=True))}
+    state = module_states(full_state(composed), "llm")
+    if dist.get_rank() == 0:
+        expected = merged_module(composed.llm, state).state_dict()
+        written = load_file(os.path.join(export, "llm", "model.safetensors"))
+        result["keys_equal"] = sorted(written) == sorted(expected)
+        result["max_diff"] = max((written[k] - expected[k]).abs().max().item() for k in written)
+        result["adapter_files"] = sorted(n for n in os.listdir(os.path.join(export, "llm")) if "adapter" in n)
+    plugin.close()
+    return result
+
+
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     count_side_groups()
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
+    results["lora_merge"] = merged_lora_export(out_dir)
     results["side_groups"] = SIDE_GROUPS
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)
