@@ -116,13 +116,14 @@ def test_pieces_are_dealt_by_size_whatever_the_world(monkeypatch, tmp_path):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_resume_reads_each_byte_once(four_ranks, layout):
     """At resume the ranks together request at most the checkpoint's bytes from disk (hf_omni's and DCP's readers,
-    counted): under HSDP the second replica reads nothing of the LLM and receives its shards from the first; a
-    module every rank holds whole (DDP) is read by rank 0 and broadcast."""
+    counted): under HSDP each of the LLM's tensors is read by one replica (they share the reading) and sent to the
+    other; a module every rank holds whole (DDP) is read by rank 0 and broadcast."""
     ranks = [rank[layout]["load"] for rank in four_ranks]
     total = four_ranks[0][layout]["listed_bytes"]
     assert sum(rank["read"] for rank in ranks) <= total, [rank["read"] for rank in ranks]
-    if layout == "hsdp":  # ranks 2 and 3: the LLM's second replica (weights and AdamW moments: 3 x 8.4 MB / 2)
-        assert all(ranks[r]["read"] < 2 * MiB and ranks[r]["received"] > 12 * MiB for r in (2, 3))
+    if layout == "hsdp":  # replicas {0, 1} and {2, 3}: each reads about half of its shard's bytes, receives the rest
+        reads = [rank["read"] for rank in ranks]
+        assert max(reads) <= 1.3 * min(reads) and all(rank["received"] > 5 * MiB for rank in ranks), ranks
 
 
 def test_side_groups_are_few_and_use_ddp_timeout(four_ranks):

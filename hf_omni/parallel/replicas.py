@@ -1,9 +1,12 @@
-"""Reading each byte once under HSDP: the first replica reads its shards from disk, the other replicas receive them
-over the replicate dimension (one broadcast per tensor and replicate dimension), instead of R replicas reading the
-same rows. For a module replicated nowhere (full shard, DDP, one process) everything here is a no-op.
+"""Reading each byte once under HSDP: each tensor's shards are read from disk by one replica — tensor i by replica
+i mod R over the replicate dimension, so the R replicas share the reading — and sent to the others over that
+dimension (one broadcast per tensor), instead of R replicas reading the same rows. A mesh with several replicate
+dimensions has its first replica read everything. Plain tensors among them (buffers, step counts) are small and
+read by every rank. A module every rank holds whole (DDP) is read by rank 0 and broadcast. For a module replicated
+nowhere (full shard, one process) nothing changes.
 
-Every rank of a module's mesh must call `share_from_first_replica` with the same tensors in the same order; a
-reader that fails raises before it (the caller agrees on the reads first), so no rank waits in a broadcast.
+Every rank of a module's mesh must call these with the same tensors in the same order; the readers agree that they
+read before any broadcast, so a reader that fails raises on every rank instead of leaving one waiting.
 """
 
 from __future__ import annotations
@@ -20,10 +23,18 @@ def _replicate_dims(tensor) -> list[int]:
             and tensor.device_mesh.size(dim) > 1]
 
 
-def is_reader(tensor) -> bool:
-    """Whether this rank reads `tensor`'s rows itself: it is in the first replica (every rank, when `tensor` is
-    not a DTensor replicated over some mesh dimension)."""
-    return all(tensor.device_mesh.get_local_rank(dim) == 0 for dim in _replicate_dims(tensor))
+def owner(index: int, tensor) -> int:
+    """The replica (along the one replicate dimension) that reads tensor `index`: 0 with several dimensions."""
+    dims = _replicate_dims(tensor)
+    return index % tensor.device_mesh.size(dims[0]) if len(dims) == 1 else 0
+
+
+def reads(index: int, tensor) -> bool:
+    """Whether this rank reads tensor `index`'s rows itself (every rank for a tensor with no replicas)."""
+    dims = _replicate_dims(tensor)
+    if len(dims) == 1:
+        return tensor.device_mesh.get_local_rank(dims[0]) == owner(index, tensor)
+    return all(tensor.device_mesh.get_local_rank(dim) == 0 for dim in dims)
 
 
 def replicated_mesh(tensors) -> tuple | None:
@@ -50,28 +61,21 @@ def _broadcast(local: torch.Tensor, group, source: int) -> None:
 
 
 @torch.no_grad()
-def share_from_first_replica(tensors) -> None:
-    """Each replicated DTensor's local shard, from the first replica to the others (in place); a plain tensor
-    among them (a buffer, a step count: the same on every rank) goes along the replicate dimensions of the first
-    replicated DTensor's mesh."""
+def share_from_readers(tensors) -> None:
+    """Each replicated DTensor's local shard, from the replica that read it to the others (in place)."""
     import torch.distributed as dist
 
-    found = replicated_mesh(tensors)
-    if found is None:
-        return
-    mesh = found[0]
-    plain = [dim for dim in range(mesh.ndim) if dim != found[1] and mesh.size(dim) > 1]
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        groups = [tensor.device_mesh.get_group(d) for d in _replicate_dims(tensor)] if hasattr(tensor, "placements") \
-            else [mesh.get_group(d) for d in plain]
-        for group in groups:
-            _broadcast(local, group, dist.get_global_rank(group, 0))
+    for index, tensor in enumerate(tensors):
+        dims = _replicate_dims(tensor)
+        local = tensor.to_local() if dims else None
+        for dim in dims:
+            group = tensor.device_mesh.get_group(dim)
+            _broadcast(local, group, dist.get_global_rank(group, owner(index, tensor)))
 
 
 def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
-    """`read(i)` fills `tensors[i]` (only after every check passed: nothing is half-overwritten). Under HSDP only
-    the first replica reads, the ranks agree that it did, and it sends the others their shards; with `replicated`
+    """`read(i)` fills `tensors[i]` (only after every check passed: nothing is half-overwritten). Under HSDP each
+    tensor's owner replica reads it, the ranks agree that they did, and it sends the others; with `replicated`
     (every rank calls this for a module held whole on every rank, DDP) rank 0 reads and broadcasts it. Each byte
     is then read once in all."""
     import torch.distributed as dist
@@ -81,9 +85,9 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
     if replicated_mesh(tensors) is not None:
         with agreed(what, checkpoint_group()):
             for i, tensor in enumerate(tensors):
-                if is_reader(tensor):
+                if reads(i, tensor):
                     read(i)
-        return share_from_first_replica(tensors)
+        return share_from_readers(tensors)
     whole = replicated and has_process_group() and dist.get_world_size() > 1 and tensors and \
         not any(hasattr(t, "placements") for t in tensors)
     if not whole:
@@ -107,14 +111,16 @@ def share_from_rank0(tensors) -> None:
 
 
 def load_once(state: dict, reader, what: str) -> None:
-    """`dcp.load` in place (`reader()`: a new storage reader), every byte read once in all: under HSDP by the first replica (DCP over its shard group),
-    which sends the others their shards; a module held whole by every rank (DDP) by rank 0, then broadcast."""
+    """`dcp.load` in place (`reader()`: a new storage reader), every byte read once in all: under HSDP each replica
+    loads the tensors it owns (DCP over its shard group; plain tensors on every replica) and sends them to the
+    others; a module held whole by every rank (DDP) is read by rank 0, then broadcast."""
     import torch.distributed.checkpoint as dcp
-    from torch.utils._pytree import tree_leaves
+    from torch.utils._pytree import tree_flatten, tree_unflatten
 
     from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
 
-    tensors = [t for t in tree_leaves(state) if torch.is_tensor(t)]
+    leaves, spec = tree_flatten(state)
+    tensors = [t for t in leaves if torch.is_tensor(t)]
     found, sharded = replicated_mesh(tensors), any(hasattr(t, "placements") for t in tensors)
     if found is None and not sharded and has_process_group() and world_size() > 1:
         with agreed(what, checkpoint_group()):
@@ -125,8 +131,16 @@ def load_once(state: dict, reader, what: str) -> None:
         return dcp.load(state, storage_reader=reader())
     mesh, shard_dim = found
     group = mesh.get_group(shard_dim) if shard_dim is not None else None
-    first = all(is_reader(t) for t in tensors if hasattr(t, "placements"))
+    numbers = {id(t): i for i, t in enumerate(tensors)}
+    mine = tree_unflatten([leaf if not torch.is_tensor(leaf) or reads(numbers[id(leaf)], leaf) else None
+                           for leaf in leaves], spec)
     with agreed(what, checkpoint_group()):
-        if first:
-            dcp.load(state, storage_reader=reader(), process_group=group)
-    share_from_first_replica(tensors)
+        dcp.load(_without_none(mine), storage_reader=reader(), process_group=group)
+    share_from_readers(tensors)
+
+
+def _without_none(value):
+    """A nested dict without its None leaves (the tensors another replica reads)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
