@@ -75,7 +75,8 @@ def main() -> None:
             ranks = launch(world, lazy)
             worst = max(ranks, key=lambda r: r["writer"])
             added = max(r["writer"] - r["default"] for r in ranks) / 2
-            print(f"| {'lazy' if lazy else 'eager'} | {world} | {worst['default']} | +{worst['main'] - worst['default']} "
+            print(f"| {'lazy' if lazy else 'eager'} | {world} | {worst['default']} | "
+                  f"+{worst['main'] - worst['default']} "
                   f"| +{worst['writer'] - worst['main']} | {added / (world - 1):.2f} | "
                   f"{max(r['main_s'] for r in ranks):.3f}, {max(r['writer_s'] for r in ranks):.3f} |")
 

@@ -4,8 +4,8 @@ small, gathered once per layer). So `save_pretrained(merge_lora=True)` / `merge_
 every other save: no rank holds the module.
 
 This covers PEFT's plain LoRA on `nn.Linear` layers, one adapter, without DoRA (or another variant), a LoRA bias,
-`fan_in_fan_out` or `modules_to_save`, on weights that are not tied to another; anything else is merged by PEFT itself on a gathered
-copy (`lora.merged_module`).
+`fan_in_fan_out` or `modules_to_save`, on weights that are not tied to another; anything else is merged by PEFT
+itself on a gathered copy (`lora.merged_module`).
 """
 
 from __future__ import annotations
