@@ -26,7 +26,7 @@ from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
-from .dist import has_process_group
+from .dist import checkpoint_group, has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .modules.ownership import check_ownership
@@ -168,6 +168,7 @@ class OmniPlugin:
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
         model_fsdp = FsdpSettings.from_dict(None, dict(self.args.fsdp_plugin or {}))
+        checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,
                                                          model_fsdp=model_fsdp)
         self.checkpointer = ModuleCheckpointer(model, self.output_dir, self.args.save_async,

@@ -159,3 +159,15 @@ def empty_init_model():
     model = Captioner.from_pretrained(folder, empty_init=True)
     assert all(p.is_meta for p in model.parameters())
     return model
+
+
+def save_every_rank(results, path: str, save=None) -> None:
+    """In a launched script: every rank's `results` gathered, written by rank 0 to `path` (`torch.save`, or
+    `save(everyone, path)`), then every rank waits for the file."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        (save or torch.save)(everyone, path)
+    dist.barrier()

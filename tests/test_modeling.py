@@ -205,8 +205,8 @@ def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypat
                                        init_lora_weights=False), model.llm)
     expected = merged_module(model.llm, dict(model.llm.state_dict())).state_dict()
     peft_merges = []
-    original = folder_io.save_module
-    monkeypatch.setattr(folder_io, "save_module", lambda *a, **k: peft_merges.append(1) or original(*a, **k))
+    original = folder_io.save_merged
+    monkeypatch.setattr(folder_io, "save_merged", lambda *a, **k: peft_merges.append(1) or original(*a, **k))
     model.save_pretrained(tmp_path / "rows", merge_lora=True)
     assert peft_merges == []
     written = load_file(str(tmp_path / "rows" / "llm" / "model.safetensors"))

@@ -15,16 +15,12 @@ import os
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from ..dist import agreed, checkpoint_group, is_main
 from .classes import original_class, save_view
 from .empty_init import build_empty
-from .lora import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, has_adapter, load_adapter, lora_config_of,
-    merged_module,
-)
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -54,47 +50,22 @@ def processor_kind(processor: Any) -> str:
     raise TypeError(f"unsupported processor type {type(processor).__name__}")
 
 
-def save_module(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
-                merge_lora: bool = False, pipeline=None, dtype: torch.dtype | None = None) -> None:
-    """Write `module` to `folder` in HF format (LoRA: base weights + adapter files beside them), from its full
-    `state` (`ModuleSlot.full_state()`, gathered on every rank; the main process calls this). With a `pipeline`
-    (`checkpoint.pipeline.SavePipeline`, async saves), the tensors are snapshotted and the files written in its
-    thread. `dtype`: the module's dtype as loaded, recorded in its config when its live parameters (fp32 master
-    weights) differ."""
-    lora = lora_config_of(module)
-    if lora is not None and merge_lora:
-        module, lora = merged_module(module, state), None
-        weights = module.state_dict()
-    else:
-        weights = base_state_dict(state)
-    adapter = adapter_state_dict(module, state) if lora is not None else None
-    if pipeline is None:
-        weights, adapter = (on_cpu(t) if t is not None else None for t in (weights, adapter))
-        return write_module_files(module, folder, weights, lora, adapter, processor, dtype)
-    weights, adapter = (pipeline.snapshot(t) if t is not None else (lambda: None) for t in (weights, adapter))
-    pipeline.then(lambda: write_module_files(module, folder, weights(), lora, adapter(), processor, dtype),
-                  f"writing {folder}")
-
-
-def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-
-
-def write_module_files(module, folder, weights, lora, adapter, processor, dtype=None) -> None:
+def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
+                dtype: torch.dtype | None = None) -> None:
+    """The main process: a LoRA module merged by PEFT itself (`lora.merged_module`, from its gathered `state`)
+    written to `folder` by transformers' `save_pretrained` — for the adapters `lora_merge` cannot merge row by
+    row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
+    merged = merged_module(module, state)
     os.makedirs(folder, exist_ok=True)
-    view = save_view(module)
-    view.save_pretrained(folder, state_dict=weights)
+    view = save_view(merged)
+    view.save_pretrained(folder, state_dict={k: v.detach().contiguous() for k, v in merged.state_dict().items()})
     if dtype is not None and view.config.dtype != dtype:  # transformers records the live parameters' dtype
         view.config.dtype = dtype
         view.config.save_pretrained(folder)
-    record_original_class(folder, original_class(module))
+    record_original_class(folder, original_class(merged))
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
-    if adapter is not None:
-        lora.base_model_name_or_path = None
-        lora.save_pretrained(folder)
-        save_file(adapter, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if processor is not None:
         processor.save_pretrained(folder)
 
@@ -198,7 +169,7 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
     if merge_lora and lora and merge is None:
         state = slot.full_state()
         if is_main_process:
-            save_module(slot.module, folder, state, slot.processor, merge_lora=True, dtype=slot.export_dtype)
+            save_merged(slot.module, folder, state, slot.processor, slot.export_dtype)
         return
     plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size, merged=merge is not None)
     write = functools.partial(write_module_folder, slot.module, folder, plan, slot.processor,

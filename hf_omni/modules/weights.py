@@ -2,7 +2,7 @@
 one as this rank's rows only.
 
 Where each tensor lives in the folder (`file_layout`) is traced, not guessed: meta placeholders of the module's
-tensors go through exactly what `folder.save_module` applies (LoRA keys split off, transformers' save-time key
+tensors go through exactly what a save applies (`folder_plan`) (LoRA keys split off, transformers' save-time key
 conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
 is stored there as is. What the files do not hold as is (MoE experts that transformers splits on save, ...) a
 checkpoint keeps in its `state/` (`checkpoint.module_state`); a plain HF folder (`empty_init`, a frozen module's source)
@@ -84,7 +84,7 @@ def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def file_layout(module: nn.Module) -> dict[str, tuple[str, list[str]]]:
-    """Tensor name -> (WEIGHTS | ADAPTER, the keys it may be stored under) for each tensor `save_module` writes as
+    """Tensor name -> (WEIGHTS | ADAPTER, the keys it may be stored under) for each tensor a save writes as
     is; a tied tensor has one key per name it goes by (transformers keeps one of them in the file)."""
     persistent = set(module.state_dict(keep_vars=True))
     owner, placeholders = {}, {}

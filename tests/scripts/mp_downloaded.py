@@ -9,7 +9,6 @@ import sys
 
 import helpers
 import torch
-import torch.distributed as dist
 from custom_loops import AVERAGE_TOKENS, UnevenTokens, accumulate_loop
 from real_model_runs import mismatches, straight_and_resumed
 from real_models import Batches, mode_overlay
@@ -65,11 +64,7 @@ def main(out_dir: str):
     results["tied"] = tied_fsdp(os.path.join(out_dir, "tied"))
     results["average_tokens"] = {across: average_tokens(os.path.join(out_dir, f"tokens_{across}"), across)
                                  for across in (True, False)}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        torch.save(everyone, os.path.join(out_dir, "results.pt"))
-    dist.barrier()
+    helpers.save_every_rank(results, os.path.join(out_dir, "results.pt"))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from helpers import full_state, make_args, tiny_data, tiny_model
+from helpers import full_state, make_args, save_every_rank, tiny_data, tiny_model
 from transformers import TrainerCallback
 
 from hf_omni import OmniTrainer
@@ -105,11 +105,7 @@ def main(out_dir: str):
     again = full_state(resumed.model)
     results["resume_mismatch"] = [k for k in final if not torch.equal(final[k], again[k])]
     results["final"] = final
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        torch.save(everyone, os.path.join(out_dir, "results.pt"))
-    dist.barrier()
+    save_every_rank(results, os.path.join(out_dir, "results.pt"))
 
 
 if __name__ == "__main__":

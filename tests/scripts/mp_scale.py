@@ -1,11 +1,12 @@
 """Checkpoints at scale, 4 gloo ranks, one launch (`accelerate launch --multi_gpu --num_processes 4`): a model with
 an 8 MB LLM (tensors up to 1 MiB), trained one step through OmniPlugin, saved, resumed and exported in two layouts
-(LLM full shard over 4 with a replicated (DDP) vision tower; LLM HSDP 2 x 2 with the vision tower full shard).
-Records per rank, during each save and export: the bytes received through collectives (`ReceivedBytes`), the bytes
-written (`wchar` of /proc/self/io) and the largest piece of memory the writer converted; after them, rank 0 checks
+(LLM full shard over 4 with a replicated (DDP) vision tower; LLM HSDP 2 x 2 with the vision tower full shard, built
+with `empty_init` from a saved folder).
+Records per rank, during each save, export and load: the bytes received through collectives (`ReceivedBytes`), the
+bytes written (`wchar` of /proc/self/io), hashed (`verify_checkpoint`) and read (the safetensors readers); after them, rank 0 checks
 each module folder against what transformers' own `save_pretrained` writes for the same tensors (file names, keys
-per file, dtypes, shapes) and its values against the gathered state; a resumed run (other initial weights) takes
-one more step bitwise equal to the straight run. Usage: mp_scale.py OUT_DIR"""
+per file, dtypes, shapes) and its values against the gathered state; a resumed run (other initial weights, under full shard) takes
+one more step bitwise equal to the straight run; hf_omni's side groups are counted. Usage: mp_scale.py OUT_DIR"""
 
 import json
 import os
@@ -13,19 +14,19 @@ import sys
 
 import torch
 import torch.distributed as dist
-from helpers import full_state, tiny_data
+from helpers import full_state, save_every_rank, tiny_data
 
 from hf_omni import OmniPlugin
 from hf_omni.checkpoint import digests
 from hf_omni.testing.collectives import ReceivedBytes
-from hf_omni.testing.digits import build_model
+from hf_omni.testing.digits import Captioner, build_model
 from hf_omni.testing.reads import count_reads
 
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
-LAYOUTS = {
-    "full_shard": {"vision": {"parallel": "ddp"}, "projector": {"parallel": "ddp"}, "llm": {"parallel": "fsdp"}},
+LAYOUTS = {  # HSDP first: its empty_init fill is the first thing that agrees, before any checkpointer exists
     "hsdp": {"vision": {"parallel": "fsdp"}, "projector": {"parallel": "ddp"},
              "llm": {"parallel": "fsdp", "parallelism": HSDP}},
+    "full_shard": {"vision": {"parallel": "ddp"}, "projector": {"parallel": "ddp"}, "llm": {"parallel": "fsdp"}},
 }
 EXPORT_SHARD = "1MB"  # several safetensors files per module, and an index
 READ = count_reads()  # bytes hf_omni's and DCP's safetensors readers request
@@ -71,6 +72,16 @@ def model(seed: int = 0):
     return build_model(hidden=64, layers=2, llm_hidden=256, llm_layers=2, seed=seed)
 
 
+SOURCE = []  # the folder the HSDP layout's model is read from with `empty_init`
+
+
+def save_source(out_dir: str) -> None:
+    SOURCE.append(os.path.join(out_dir, "source"))
+    if dist.get_rank() == 0:
+        model().save_pretrained(SOURCE[0])
+    dist.barrier()
+
+
 def written() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
@@ -92,7 +103,8 @@ def prepared(layout: str, out: str, seed: int):
                 "save_async": layout == "hsdp"}  # (the HSDP layout saves in the background)
     plugin = OmniPlugin(modules=LAYOUTS[layout], defaults=defaults, output_dir=out)
     accelerator = Accelerator(cpu=True)
-    composed, optimizer, scheduler = plugin.prepare(accelerator, model(seed), num_training_steps=4)
+    built = model(seed) if layout != "hsdp" else Captioner.from_pretrained(SOURCE[0], empty_init=True)  # (read as
+    composed, optimizer, scheduler = plugin.prepare(accelerator, built, num_training_steps=4)  # it is sharded)
     return plugin, composed, optimizer, scheduler
 
 
@@ -239,15 +251,12 @@ def merged_lora_export(out_dir: str) -> dict:
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     count_side_groups()
+    save_source(out_dir)
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
     results["lora_merge"] = merged_lora_export(out_dir)
     results["side_groups"] = SIDE_GROUPS
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(everyone, f, indent=1)
-    dist.barrier()
+    save_every_rank(results, os.path.join(out_dir, "results.json"),
+                    lambda everyone, path: open(path, "w").write(json.dumps(everyone, indent=1)))
 
 
 if __name__ == "__main__":
