@@ -37,7 +37,9 @@ def test_layout_and_each_module_folder_loads(tmp_path):
     assert (ckpt / "llm" / "adapter_model.safetensors").exists() and (ckpt / "llm" / "state" / "scheduler.json").exists()
     marker = json.loads((ckpt / MARKER).read_text())
     assert marker["step"] == 5 and marker["modules"] == ["projector", "llm"] and marker["world_size"] == 1
-    assert "llm/model.safetensors" in marker["files"]
+    assert "projector/model.safetensors" in marker["files"] and "llm/adapter_model.safetensors" in marker["files"]
+    base = tmp_path / "frozen" / marker["bases"]["llm"]["name"]  # the LoRA base: written once, beside the run
+    assert "llm/model.safetensors" not in marker["files"] and (base / "model.safetensors").exists()
     root = json.loads((ckpt / "config.json").read_text())
     vision_source = {m["name"]: m["source"] for m in root["modules"]}["vision"]
     assert vision_source == str(tmp_path / "frozen" / "vision")  # built in memory: written once, then its source

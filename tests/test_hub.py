@@ -13,6 +13,7 @@ import yaml
 from helpers import make_args, tiny_data, tiny_model
 
 from hf_omni import OmniModel, OmniTrainer
+from hf_omni.checkpoint.files import check_complete
 from hf_omni.hub.push import HubPushError
 from hf_omni.modules.folder import module_files
 from hf_omni.testing import LoopbackHub
@@ -189,13 +190,29 @@ def test_checkpoint_strategy_pushes_each_save_in_the_background(hub, hub_vision,
     local = {os.path.relpath(os.path.join(b, p), ckpt): os.path.join(b, p) for b, _, ps in os.walk(ckpt) for p in ps}
     assert "hf_omni_checkpoint.json" in local  # pushed after its marker
     assert {k[len("last-checkpoint/"):] for k in files if k.startswith("last-checkpoint/")} == set(local)
+    base = json.loads(open(ckpt / "hf_omni_checkpoint.json").read())["bases"]["llm"]
     for rel, path in local.items():
         if rel == "config.json":  # the root config, without local source paths
             pushed, mine = json.loads(files["last-checkpoint/config.json"]), json.load(open(path))
             sources = [m.pop("source") for m in mine["modules"]]
             assert [m.pop("source") for m in pushed["modules"]] == [None] * 3 and any(sources) and pushed == mine
-            continue
-        assert files[f"last-checkpoint/{rel}"] == open(path, "rb").read()
+        elif rel == "llm/adapter_config.json":  # its LoRA base: named by its place in the repo, not a local path
+            pushed, mine = json.loads(files[f"last-checkpoint/{rel}"]), json.load(open(path))
+            assert mine["base_model_name_or_path"] == base["folder"]
+            assert pushed.pop("base_model_name_or_path") == f"../../frozen/{base['name']}"
+            assert pushed == {k: v for k, v in mine.items() if k != "base_model_name_or_path"}
+        elif rel != "hf_omni_checkpoint.json":
+            assert files[f"last-checkpoint/{rel}"] == open(path, "rb").read()
+    for n in os.listdir(base["folder"]):  # the base, beside the checkpoint as in output_dir
+        if n != "hf_omni_base.json":
+            assert files[f"frozen/{base['name']}/{n}"] == open(os.path.join(base["folder"], n), "rb").read()
+    download = tmp_path / "download"  # as cloned: the checkpoint checks complete (sizes, sha256) and loads
+    for path, content in files.items():
+        (download / path).parent.mkdir(parents=True, exist_ok=True)
+        (download / path).write_bytes(content)
+    assert str(tmp_path) not in json.dumps(check_complete(str(download / "last-checkpoint"), verify=None))
+    for name, tensor in OmniModel.from_pretrained(download / "last-checkpoint").state_dict().items():
+        torch.testing.assert_close(tensor, model.state_dict()[name], atol=0, rtol=0, msg=name)
     # the token: sent to the Hub, written nowhere under output_dir, in no log line
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for _, _, h in hub.requests)
     for base, _, names in os.walk(tmp_path):
@@ -227,8 +244,10 @@ def test_every_save_and_all_checkpoints_push_at_each_save(hub, hub_vision, tmp_p
     files = hub.files(repo)
     folders = {p.split("/")[0] for p in files if "/" in p}
     expected = {"projector", "llm"} | ({"checkpoint-2", "checkpoint-4"} if strategy == "all_checkpoints" else set())
-    assert folders == expected  # vision linked; no checkpoint folders with every_save
-    assert files["llm/model.safetensors"] == (tmp_path / "checkpoint-4" / "llm" / "model.safetensors").read_bytes()
+    assert folders == expected | ({"frozen"} if strategy == "all_checkpoints" else set())  # vision linked
+    base = json.loads((tmp_path / "checkpoint-4" / "hf_omni_checkpoint.json").read_text())["bases"]["llm"]
+    assert files["llm/model.safetensors"] == open(os.path.join(base["folder"], "model.safetensors"), "rb").read()
+    assert json.loads(files["llm/adapter_config.json"])["base_model_name_or_path"] is None  # the base beside it
     assert not (tmp_path / "checkpoint-2").exists()  # rotated once its push was done
 
 

@@ -34,7 +34,7 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(killed, point):
     facts = results[point]
     assert facts["killed"] == -9, facts  # the point was reached
     assert facts["resume"] == 0 and facts["checked"] == facts["complete_after_kill"]
-    if point != "frozen_source_first_save":
+    if point not in ("frozen_source_first_save", "lora_base_before_marker"):
         assert facts["complete_after_kill"], facts  # resumed from a checkpoint, not restarted
     if point in ("marker_temp_file", "dcp_shards_written", "async_staging", "async_shards_in_flight",
                  "async_before_marker"):

@@ -4,8 +4,9 @@ A checkpoint is every stateful thing by name: each trainable module's weights (i
 per-module optimizers and schedulers (`ModuleOptimizers` / `ModuleSchedulers`, Stateful by module name), the
 GradScaler, and the root config; then, last, the marker.
 
-    save:  remove a stale marker -> frozen sources (once) -> per trainable module: HF folder (every rank its own
-           rows, in place) + optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json ->
+    save:  remove a stale marker -> frozen sources and LoRA bases (once per run) -> per trainable module: HF folder
+           (every rank its own rows, in place; a LoRA module with its base written once: the adapter alone)
+           + optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json ->
            [async: later] every rank done -> marker (rank 0, atomic)
 
 The layout is in `files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG state through
@@ -23,6 +24,7 @@ from ..modules import folder_write
 from ..modules.folder import write_frozen_source
 from ..progress import each
 from . import files, module_state, resume
+from .bases import Base, write_base
 from .digests import hash_checkpoint
 from .pipeline import SavePipeline
 
@@ -43,6 +45,11 @@ class ModuleCheckpointer:
         self.group = checkpoint_group(timeout_s)  # every step one rank does alone ends in an agreement on it
         self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the writer thread's
         self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
+        self.bases: dict[str, Base] = {}  # LoRA bases this run's checkpoints refer to (written once, or resumed)
+
+    def base_folders(self) -> tuple[str, ...]:
+        """The LoRA bases this run's checkpoints refer to (rotation keeps them)."""
+        return tuple(base.folder for base in self.bases.values())
 
     def folder(self, directory: str, name: str) -> str:
         return os.path.join(directory, self.model.slots[name].entry.subfolder)
@@ -70,16 +77,20 @@ class ModuleCheckpointer:
         for slot in self.model.slots.values():
             if not slot.trains:
                 write_frozen_source(slot, self.output_dir, self.group)
+            elif self.output_dir and slot.name not in self.bases and self.states[slot.name].fixed_base:
+                self.bases[slot.name] = write_base(slot, self.states[slot.name].base_plan(), self.output_dir,
+                                                   self.group, self.verify)
         pipeline = self.pipeline
         if pipeline is not None:
             pipeline.begin([self.model.slots[name].module for name in self.trainable])
         optimizer_states = {} if weights_only else optimizer.state_dict()  # every rank its own shards
         scheduler_states = {} if weights_only else scheduler.state_dict()
         for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
-            slot, folder = self.model.slots[name], self.folder(directory, name)
+            slot, folder, base = self.model.slots[name], self.folder(directory, name), self.bases.get(name)
+            plan = self.states[name].plan.adapter_only() if base is not None else self.states[name].plan
             with agreed(f"module {name!r}: writing {folder}", self.group):  # every rank its own rows
-                folder_write.write_module_folder(slot.module, folder, self.states[name].plan, slot.processor,
-                                    dtypes=slot.export_dtypes, pipeline=pipeline)
+                folder_write.write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes,
+                                                 pipeline=pipeline, base=base.folder if base is not None else None)
             if weights_only:
                 continue
             tensors, rest = module_state.split(optimizer_states[name], os.path.join(folder, module_state.STATE))
@@ -95,9 +106,10 @@ class ModuleCheckpointer:
                 if not weights_only:
                     files.save_scaler(optimizer.scaler, directory)
         futures = pipeline.start(self.async_group) if pipeline is not None else []
-        self._pending = (directory, step, futures, not weights_only)
+        bases = {name: base.record() for name, base in self.bases.items() if name in self.trainable}
+        self._pending = (directory, step, futures, not weights_only, bases)
         if futures and not self._exit_hook:  # process exit waits for shards still being written
-            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None))[2]])
+            atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None, None))[2]])
             self._exit_hook = True
         if write_marker and not self.save_async:
             self.wait()
@@ -111,7 +123,7 @@ class ModuleCheckpointer:
         """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
         if self._pending is None:
             return
-        directory, step, futures, resumable = self._pending
+        directory, step, futures, resumable, bases = self._pending
         self._pending = None
         concurrent.futures.wait(futures)  # every job done (a failed one does not stop the later ones)
         with agreed(f"writing checkpoint {directory}", self.group):
@@ -125,7 +137,7 @@ class ModuleCheckpointer:
         with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
             if is_main():
                 files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable, sizes,
-                                                                digests))
+                                                                digests, bases))
         if self.on_marked is not None and is_main():
             self.on_marked(directory)
 

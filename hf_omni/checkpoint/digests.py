@@ -81,11 +81,13 @@ def hash_checkpoint(directory: str, sizes: dict[str, int], group) -> dict[str, l
     return digests_by_file(sizes, {i: h for share in everyone for i, h in share.items()})
 
 
-def check_share(directory: str, sizes: dict[str, int], recorded: dict, rank: int = 0, world: int = 1) -> None:
+def check_share(directory: str, sizes: dict[str, int], recorded: dict, rank: int = 0, world: int = 1,
+                what: str | None = None) -> None:
     """Check this rank's pieces against the marker's record (`{file: [hex, ...]}`, or one hex per file from an
-    older marker); a clear error naming the first file that differs."""
+    older marker); a clear error naming the first file that differs (and `what` the folder is)."""
+    what = what or f"checkpoint {directory}"
     if set(recorded) != set(sizes) or not all(isinstance(v, (str, list)) for v in recorded.values()):
-        raise ValueError(f"checkpoint {directory} has no sha256 of its files to verify (saved without "
+        raise ValueError(f"{what} has no sha256 of its files to verify (saved without "
                          "verify_checkpoint)")
     cut, expected = [], []
     for rel in sorted(sizes):
@@ -95,12 +97,12 @@ def check_share(directory: str, sizes: dict[str, int], recorded: dict, rank: int
             continue
         mine = pieces({rel: sizes[rel]})
         if len(mine) != len(recorded[rel]):
-            raise ValueError(f"checkpoint {directory}: file {rel} does not match its sha256 (its pieces changed "
+            raise ValueError(f"{what}: file {rel} does not match its sha256 (its pieces changed "
                              "after the save)")
         cut += mine
         expected += recorded[rel]
     for index in sorted(deal([length for _, _, length in cut], world)[rank]):
         rel, offset, length = cut[index]
         if piece_sha256(os.path.join(directory, rel), offset, length) != expected[index]:
-            raise ValueError(f"checkpoint {directory}: file {rel} does not match its sha256 at bytes "
+            raise ValueError(f"{what}: file {rel} does not match its sha256 at bytes "
                              f"{offset}-{offset + length} (changed after the save)")

@@ -7,11 +7,13 @@ scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
         state/                        optimizer state (`module_state.py`: safetensors shards through DCP, each
                                       rank its own, no gather; JSON for the rest) + scheduler.json
     <dir>/scaler.json                 fp16's shared GradScaler state, when there is one
-    <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files
+    <dir>/hf_omni_checkpoint.json     written last, atomically: step, world size, modules, files, LoRA bases
+    <output_dir>/frozen/<module>-<token>/   a LoRA module's frozen base, written once per run (`bases.py`): the
+                                      module folder then holds config + adapter, its adapter config names the base
 
-What we chose: module weights are written once, as the HF files (gathered to rank 0, one tensor at a time);
-they also serve resume — each rank reads back only its own rows of a sharded module. Optimizer state never
-leaves its shards: DCP reshards it on load, so a checkpoint resumes at another world size.
+What we chose: module weights are written once, as the HF files (every rank its own rows, in place); they also
+serve resume — each rank reads back only its own rows of a sharded module. Optimizer state never leaves its
+shards: DCP reshards it on load, so a checkpoint resumes at another world size.
 Fully frozen modules write nothing; they reload from their recorded source (a module built in memory is written
 once to `<output_dir>/frozen/<module>/`, which becomes its source).
 """
@@ -38,24 +40,24 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_marker(directory: str, info: dict) -> None:
+def write_marker(directory: str, info: dict, name: str = MARKER) -> None:
     """Atomically (temp file + fsync + rename + fsync of the folder) mark `directory` as complete."""
-    tmp = os.path.join(directory, MARKER + ".tmp")
+    tmp = os.path.join(directory, name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(info, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, MARKER))
+    os.replace(tmp, os.path.join(directory, name))
     fsync_dir(directory)
 
 
-def listed_files(directory: str) -> list[str]:
+def listed_files(directory: str, marker: str = MARKER) -> list[str]:
     """Every file under `directory` (relative paths), the marker excluded."""
     out = []
     for root, _, files in os.walk(directory):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel not in (MARKER, MARKER + ".tmp"):
+            if rel not in (marker, marker + ".tmp"):
                 out.append(rel)
     return sorted(out)
 
@@ -90,23 +92,30 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
     if marker.get("format") != FORMAT:
         raise ValueError(f"checkpoint {directory} has format {marker.get('format')!r}, this hf_omni reads format "
                          f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
-    extra = sorted(set(listed_files(directory)) - set(marker["files"]))
-    if extra:
-        raise ValueError(f"checkpoint {directory}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
-    for rel, size in marker["files"].items():
-        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-            raise ValueError(f"checkpoint {directory}: {MARKER} lists a path outside it: {rel!r}")
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint {directory}: file {rel} is missing")
-        if os.path.getsize(path) != size:
-            raise ValueError(f"checkpoint {directory}: file {rel} has {os.path.getsize(path)} bytes, "
-                             f"{size} were written")
+    check_files(directory, marker["files"], f"checkpoint {directory}")
     if verify or (verify is None and "sha256" in marker):
         from .digests import check_share
 
         check_share(directory, marker["files"], marker.get("sha256") or {}, *share)
+    from .bases import check_bases
+
+    check_bases(directory, marker, verify, share)
     return marker
+
+
+def check_files(directory: str, listed: dict[str, int], what: str, marker: str = MARKER) -> None:
+    """Every file `listed` (relative path -> size) under `directory` with its size, and no other file there."""
+    extra = sorted(set(listed_files(directory, marker)) - set(listed))
+    if extra:
+        raise ValueError(f"{what}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
+    for rel, size in listed.items():
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise ValueError(f"{what}: {MARKER} lists a path outside it: {rel!r}")
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise ValueError(f"{what}: file {rel} is missing")
+        if os.path.getsize(path) != size:
+            raise ValueError(f"{what}: file {rel} has {os.path.getsize(path)} bytes, {size} were written")
 
 
 def complete_checkpoints(run_dir: str) -> list[str]:
@@ -127,9 +136,11 @@ def newest_complete_checkpoint(run_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple[str, ...] = ()) -> list[str]:
+def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple[str, ...] = (),
+           bases: tuple[str, ...] = ()) -> list[str]:
     """Delete the oldest complete checkpoints beyond `limit`; never the newest nor `best` nor one `busy` (being
-    pushed to the Hub); incomplete ones are neither counted nor deleted here. Returns what was deleted."""
+    pushed to the Hub); incomplete ones are neither counted nor deleted here. Then the LoRA bases under
+    `frozen/` no complete checkpoint refers to, except those the run uses (`bases`). Returns what was deleted."""
     import shutil
 
     if not limit or limit <= 0:
@@ -144,7 +155,9 @@ def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple
         os.remove(os.path.join(path, MARKER))
         fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
-    return deleted
+    from .bases import remove_unreferenced
+
+    return deleted + remove_unreferenced(run_dir, bases)
 
 
 def save_scaler(scaler, directory: str) -> None:
@@ -162,16 +175,18 @@ def load_scaler(scaler, directory: str) -> None:
             scaler.load_state_dict(json.load(f))
 
 
-def file_sizes(directory: str) -> dict[str, int]:
-    return {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory)}
+def file_sizes(directory: str, marker: str = MARKER) -> dict[str, int]:
+    return {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory, marker)}
 
 
 def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True,
-                sizes: dict[str, int] | None = None, digests: dict | None = None) -> dict:
-    """The marker: its files and their sizes (`sizes`, listed now by default), and with `verify_checkpoint` the
-    sha256 of their pieces (`digests.hash_checkpoint`)."""
+                sizes: dict[str, int] | None = None, digests: dict | None = None, bases: dict | None = None) -> dict:
+    """The marker: its files and their sizes (`sizes`, listed now by default), with `verify_checkpoint` the
+    sha256 of their pieces (`digests.hash_checkpoint`), and the LoRA bases its modules refer to (`bases`)."""
     info = {"format": FORMAT, "step": step, "world_size": world_size(), "modules": modules,
             "files": sizes if sizes is not None else file_sizes(directory), "resumable": resumable}
     if digests is not None:
         info["sha256"] = digests
+    if bases:
+        info["bases"] = bases
     return info

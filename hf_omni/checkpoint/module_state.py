@@ -182,6 +182,7 @@ class ModuleState:
         self.slot = slot
         self._unmapped: frozenset[str] | None = None
         self._plan = None
+        self._fixed_base: bool | None = None
         self.stager = None
 
     @property
@@ -192,6 +193,21 @@ class ModuleState:
 
             self._plan = plan_folder(self.slot.module, self.slot.export_dtypes)
         return self._plan
+
+    @property
+    def fixed_base(self) -> bool:
+        """A LoRA module whose base never changes (`lora_base.has_fixed_base`): its base is written once."""
+        if self._fixed_base is None:
+            from ..modules.lora_base import has_fixed_base
+
+            self._fixed_base = has_fixed_base(self.slot.module)
+        return self._fixed_base
+
+    def base_plan(self):
+        """The plan of its base's files alone (no adapter), as a plain model of its class holds them."""
+        from ..modules.folder_plan import plan_folder
+
+        return plan_folder(self.slot.module, self.slot.export_dtypes, merged=True)
 
     @property
     def unmapped(self) -> frozenset[str]:

@@ -13,7 +13,7 @@ import os
 from ..config import OmniConfig, module_folder
 from ..dist import agreed, rank, world_size
 from ..modules.weights import read_into, read_through_transformers
-from . import files, module_state
+from . import bases, files, module_state
 
 
 def resume_weights_folders(model, directory: str) -> set[str]:
@@ -52,7 +52,10 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
     """`ModuleCheckpointer.load`."""
     model, group, trainable = checkpointer.model, checkpointer.group, checkpointer.trainable
     with agreed(f"checking checkpoint {directory}", group):
-        check(checkpointer, directory, weights_only)
+        marker = check(checkpointer, directory, weights_only)
+        for name, base in ({} if weights_only else bases.recorded(directory, marker)).items():
+            if name in trainable and bases.adopt(base, checkpointer.output_dir, checkpointer.verify):
+                checkpointer.bases[name] = base  # the next checkpoints refer to it too: not written again
         config = OmniConfig.from_pretrained(directory)
         folders = {name: module_folder(directory, config, name) for name in model.module_names}
         for name in trainable:

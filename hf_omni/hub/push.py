@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass
 
 from ..config import OmniConfig, module_folder, repo_id_error
-from ..modules.folder import module_files
+from ..modules.folder import adapter_config_with_base, module_paths
+from ..modules.lora_base import weights_folder
 from .cards import composition_card, module_card, read_summary
+from .checkpoint_push import folder_operations
 from .ids import LAYOUTS
 from .link import rebuilds_from_origin
 
@@ -42,7 +44,8 @@ class ModulePush:
     folder: str | None = None
 
 
-def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str, overrides: dict | None) -> list[ModulePush]:
+def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str, overrides: dict | None
+                 ) -> list[ModulePush]:
     """What happens to every module, checked before anything is sent (errors name the module and key)."""
     if layout not in LAYOUTS:
         raise ValueError(f"hub_layout must be one of {LAYOUTS}, got {layout!r}")
@@ -93,37 +96,12 @@ def module_operations(folder: str, prefix: str, card: str | None, own_repo: str 
     from huggingface_hub import CommitOperationAdd
 
     ops = []
-    for n in module_files(folder):
-        content = os.path.join(folder, n)
-        if n == "adapter_config.json" and own_repo is not None:
-            with open(content) as f:
-                content = json.dumps({**json.load(f), "base_model_name_or_path": own_repo}, indent=2).encode()
+    apart = weights_folder(folder) != folder  # a LoRA base written apart: its files go beside the adapter
+    for n, content in sorted(module_paths(folder).items()):
+        if n == "adapter_config.json" and (own_repo is not None or apart):
+            content = adapter_config_with_base(folder, own_repo)
         ops.append(CommitOperationAdd(f"{prefix}{n}", content))
     return ops + ([CommitOperationAdd(f"{prefix}README.md", card.encode())] if card is not None else [])
-
-
-def folder_operations(folders: dict[str, str]) -> list:
-    """Each local folder added under its path in the repo (what a previous push left there is deleted by `commit`:
-    `last-checkpoint/` must not keep another world size's shards)."""
-    from huggingface_hub import CommitOperationAdd
-
-    ops = []
-    for path_in_repo, folder in folders.items():
-        for base, _, names in os.walk(folder):
-            for n in sorted(names):
-                local = os.path.join(base, n)
-                rel = os.path.relpath(local, folder).replace(os.sep, "/")
-                content = scrubbed_config(local) if rel == "config.json" else local  # no local path leaves
-                ops.append(CommitOperationAdd(f"{path_in_repo}/{rel}", content))
-    return ops
-
-
-def scrubbed_config(path: str) -> bytes:
-    """A root config without the local `source` paths of its modules."""
-    with open(path) as f:
-        config = json.load(f)
-    config["modules"] = [{**m, "source": None} for m in config.get("modules", [])]
-    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 def commit(api, repo_id: str, operations: list, message: str, what: str, token, private, revision,
@@ -196,9 +174,11 @@ def push_saved(root: str, repo_id: str, *, layout: str = "per_module", modules: 
         if cards:
             card = composition_card(repo_id, entries, config.omni_class, summary, [p.repo_id for p in plans if p.link])
             composition_ops.append(CommitOperationAdd("README.md", card.encode()))
-        composition_ops += folder_operations(extra_folders or {})
-        prefixes = tuple(f"{e.subfolder}/" for e in entries) + tuple(f"{p}/" for p in extra_folders or {})
+        checkpoint_ops, checkpoint_prefixes = folder_operations(extra_folders or {})
+        composition_ops += checkpoint_ops
+        prefixes = tuple(f"{e.subfolder}/" for e in entries) + checkpoint_prefixes
+        managed = lambda p: p in ("config.json", "README.md") or p.startswith(prefixes)  # noqa: E731
         commits[repo_id] = commit(api, repo_id, composition_ops, commit_message, "the composition", token, private,
-                                  revision, managed=lambda p: p in ("config.json", "README.md") or p.startswith(prefixes))
+                                  revision, managed=managed)
         bar.update(1)
     return commits

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..compat import keep_in_fp32_plan, own_tensors
 from .lora import has_adapter
+from .lora_base import weights_folder
 from .meta import meta_build
 
 
@@ -35,13 +36,14 @@ def build_empty(module_cls, folder: str) -> nn.Module:
     """The module of `folder` with parameters on the meta device and real buffers (rotary tables and the like are
     computed, not loaded), tied, in its loading dtypes, with its generation config; a LoRA adapter beside the
     weights is injected, empty too."""
-    config = module_cls.config_class.from_pretrained(folder)
+    weights = weights_folder(folder)  # a LoRA checkpoint's folder: its config is its base's
+    config = module_cls.config_class.from_pretrained(weights)
     config.name_or_path = folder
     dtype = saved_dtype(config)
     module = meta_build(module_cls, config, dtype, include_buffers=False)
     module.tie_weights()
     apply_dtype_plan(module, dtype or torch.get_default_dtype())
-    load_generation_config(module, folder)
+    load_generation_config(module, weights)
     if has_adapter(folder):
         from peft import LoraConfig, inject_adapter_in_model
 

@@ -21,6 +21,7 @@ from ..dist import agreed, checkpoint_group, is_main
 from .classes import original_class, save_view
 from .empty_init import build_empty
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
+from .lora_base import weights_folder
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -86,22 +87,42 @@ MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.saf
 
 def module_files(folder: str) -> list[str]:
     """The names of a module folder's HF files (`MODULE_FILES`, regular files, no links), sorted."""
+    return sorted(module_paths(folder))
+
+
+def module_paths(folder: str) -> dict[str, str]:
+    """A module folder's HF files (`MODULE_FILES`, regular files, no links): name -> path. A LoRA checkpoint folder
+    whose base was written apart (`lora_base`) gets the base's weight files too, as if they were beside it."""
     import fnmatch
 
-    return sorted(n for n in os.listdir(folder) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
-                  and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+    def listed(where: str) -> dict[str, str]:
+        return {n: os.path.join(where, n) for n in os.listdir(where) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
+                and os.path.isfile(os.path.join(where, n)) and not os.path.islink(os.path.join(where, n))}
+
+    base = weights_folder(folder)
+    return {**(listed(base) if base != folder else {}), **listed(folder)}
+
+
+def adapter_config_with_base(folder: str, base: str | None) -> bytes:
+    """A module folder's adapter config naming `base` as its base model (None: the weights beside it)."""
+    with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
+        return json.dumps({**json.load(f), "base_model_name_or_path": base}, indent=2, sort_keys=True).encode()
 
 
 def copy_module_folder(folder: str, out: str) -> list[str]:
     """Copy a module's HF files (config, weights, adapter, processor — the names in `MODULE_FILES`, regular files
-    only) from `folder` to `out`; nothing else of the folder (a checkpoint's `state/`, links, stray files)."""
+    only) from `folder` to `out`; nothing else of the folder (a checkpoint's `state/`, links, stray files). A LoRA
+    base written apart is copied in, and the adapter config then names the weights beside it."""
     import shutil
 
-    names = module_files(folder)
+    paths = module_paths(folder)
     os.makedirs(out, exist_ok=True)
-    for name in names:
-        shutil.copy2(os.path.join(folder, name), os.path.join(out, name))
-    return names
+    for name, path in paths.items():
+        shutil.copy2(path, os.path.join(out, name))
+    if weights_folder(folder) != folder:
+        with open(os.path.join(out, ADAPTER_CONFIG), "wb") as f:
+            f.write(adapter_config_with_base(folder, None))
+    return sorted(paths)
 
 
 def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = False, **kwargs) -> nn.Module:
@@ -110,7 +131,7 @@ def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = Fa
     plain weights by PEFT with `merge_lora`)."""
     if empty_init:
         return build_empty(module_cls, folder)
-    module = module_cls.from_pretrained(folder, **kwargs)
+    module = module_cls.from_pretrained(weights_folder(folder), **kwargs)  # a LoRA base written apart: from there
     if has_adapter(folder):
         load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
         if merge_lora:
@@ -125,31 +146,37 @@ def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:
     return None if first is None else dtypes.get(first[0], first[1].dtype)
 
 
-def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None, merged: bool = False) -> None:
-    """Rank 0: every file's header, the index, config.json (with the exported dtype), the generation config, the
-    class record, the adapter config (LoRA) and the processor."""
+def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None, base: str | None = None
+                   ) -> None:
+    """Rank 0: the index, config.json (with the exported dtype), the generation config, the class record, the
+    adapter config (when the plan holds the adapter file) and the processor. `base`: the folder holds the adapter
+    alone, its base written apart (`lora_base`): no config of its own (transformers then loads the adapter's
+    `base_model_name_or_path`, as for any PEFT adapter folder)."""
     from .folder_plan import INDEX
 
     view = save_view(module)
-    config = view.config
-    config.architectures = [original_class(module).__name__]
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(folder)
-    if view.can_generate() and getattr(view, "generation_config", None) is not None:
-        view.generation_config.save_pretrained(folder)
+    if base is None:
+        config = view.config
+        config.architectures = [original_class(module).__name__]
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(folder)
+        if view.can_generate() and getattr(view, "generation_config", None) is not None:
+            view.generation_config.save_pretrained(folder)
+        record_original_class(folder, original_class(module))
     if plan.index is not None:
         with open(os.path.join(folder, INDEX), "w") as f:
             f.write(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
-    record_original_class(folder, original_class(module))
-    lora = None if merged else lora_config_of(module)
+    lora = lora_config_of(module) if ADAPTER_WEIGHTS in plan.files else None
+    stale = (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if lora is None else ("config.json", "generation_config.json") \
+        if base is not None else ()
+    for name in stale:
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
     if lora is not None:
-        lora.base_model_name_or_path = None
+        lora.base_model_name_or_path = base
         lora.save_pretrained(folder)
-    else:
-        for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            if os.path.exists(os.path.join(folder, stale)):
-                os.remove(os.path.join(folder, stale))
+        lora.base_model_name_or_path = None
     if processor is not None:
         processor.save_pretrained(folder)
 

@@ -181,14 +181,15 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
 
 
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
-                        dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None
-                        ) -> None:
+                        dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
+                        base: str | None = None) -> None:
     """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
     `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
     groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
     sharded tensor, saved by one rank). `merge` (`lora_merge.row_merge_plan`, with a `merged` plan): each LoRA
-    layer's weight rows written merged."""
+    layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
+    is written apart, `lora_base`)."""
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
@@ -210,7 +211,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
             values = merged_rows(values, lo, hi, tensors[b], lora_a[a], scaling)
         if values.numel():
             jobs.append((entry.file, entry.offset + lo * row_bytes, values, entry.dtype))
-    for index in range(len(plan.groups)):
+    for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
         derived = derived_tensors(module, plan, index, dtypes, solo)
         for entry in (e for e in plan.entries if e.group == index and derived is not None):
             jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
@@ -223,7 +224,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
             if main:
                 for name, head in plan.files.items():
                     files.write(name, 0, head)
-                write_metadata(module, folder, plan, processor, dtype, merged=bool(merge))
+                write_metadata(module, folder, plan, processor, dtype, base)
             for (name, offset, _, target), tensor in zip(jobs, values):
                 if tensor.ndim == 0:
                     files.write(name, offset, _bytes(tensor, target))

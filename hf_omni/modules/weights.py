@@ -26,6 +26,7 @@ from ..dtypes import BY_SAFETENSORS_NAME
 from .classes import original_class, save_view
 from .empty_init import materialize
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of
+from .lora_base import weights_folder
 
 logger = logging.getLogger(__name__)
 WEIGHTS, ADAPTER = "weights", "adapter"
@@ -149,7 +150,7 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     error names module and tensor. Returns the tensors the files lack (`strict`: an error); `skip` are read
     elsewhere. Under HSDP the first replica reads and sends; `replicated` (every rank calls this for a module every
     rank holds whole): rank 0 reads and broadcasts (`parallel.replicas.read_once`)."""
-    weights = SafetensorsIndex.for_weights(folder)
+    weights = SafetensorsIndex.for_weights(weights_folder(folder))  # a LoRA base written apart: there
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)
     plan, missing = [], []
@@ -183,7 +184,7 @@ def read_through_transformers(module: nn.Module, folder: str, names: list[str], 
     conversion on load: merged MoE experts, ...). Costs one full copy of the module on CPU while it runs; used only
     for tensors the files do not hold as is. Returns the names transformers' model does not have either."""
     dtype = next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
-    loaded = original_class(module).from_pretrained(folder, dtype=dtype).state_dict()
+    loaded = original_class(module).from_pretrained(weights_folder(folder), dtype=dtype).state_dict()
     tensors = module_tensors(module)
     left = []
     for name in names:

@@ -164,7 +164,7 @@ class OmniTrainer(HubPushMixin, Trainer):
             self.plugin.wait_for_save()  # the marker, after Trainer's own state
         if self.args.should_save:
             checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
-                                    busy=self.hub_push.busy())
+                                    busy=self.hub_push.busy(), bases=self.plugin.checkpointer.base_folders())
 
     def _load_best_model(self):
         """`load_best_model_at_end`: every module's weights from the best checkpoint (after any save in flight)."""

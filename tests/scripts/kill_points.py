@@ -111,12 +111,12 @@ def in_writer_thread_of_ckpt10():
 
 
 def marker_tmp_then_kill():
-    def write_marker(directory, info):
+    def write_marker(directory, info, *name):
         if "checkpoint-10" in directory:
             with open(os.path.join(directory, files.MARKER + ".tmp"), "w") as f:
                 f.write('{"partial": ')
             die()
-        return original(directory, info)
+        return original(directory, info, *name)
 
     original = files.write_marker
     files.write_marker = write_marker
@@ -141,6 +141,8 @@ POINTS = {
     "rotation": (rotation_cut_short, {}),
     "frozen_source_first_save": (
         lambda: kill_on_call(module_io, "write_module_folder", lambda c, a: "frozen" in str(a)), {}),
+    # the LoRA base (written once, at the first save): its files written, its marker not yet
+    "lora_base_before_marker": (lambda: kill_on_call(files, "write_marker", lambda c, a: "frozen" in str(a[0])), {}),
     "async_in_flight": (lambda: kill_on_call(module_io.Files, "write",  # in the writer thread
                                              lambda call, args: "checkpoint-10" in args[0].folder),
                         {"save_async": True}),
