@@ -142,3 +142,13 @@ def test_a_merged_lora_export_is_merged_row_by_row(four_ranks):
     assert rank0["keys_equal"] and rank0["max_diff"] <= 1e-6 and rank0["adapter_files"] == []
     for rank in four_ranks:
         assert rank["lora_merge"]["export"]["received"] < 64 * 1024, rank["lora_merge"]["export"]["by_name"]
+
+
+def test_moe_experts_under_empty_init_are_read_row_by_row(four_ranks):
+    """A Mixtral of 4 experts, fully sharded over 4 ranks and filled with `empty_init`: each rank reads its own
+    rows, its expert's file tensors among them, never the module through transformers' loading; in all the ranks
+    read the file's tensors once, and the module equals transformers' own load bitwise."""
+    rank0 = four_ranks[0]["moe_rows"]
+    assert rank0["equal"] and any("gate_up_proj" in k for k in rank0["experts"]), rank0["experts"]
+    reads = [rank["moe_rows"]["fill"]["read"] for rank in four_ranks]
+    assert sum(reads) <= rank0["file_bytes"] and max(reads) <= 0.4 * rank0["file_bytes"], (reads, rank0["file_bytes"])

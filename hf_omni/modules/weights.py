@@ -6,7 +6,8 @@ tensors go through exactly what a save applies (`folder_plan`) (LoRA keys split 
 conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
 is stored there as is. What the files do not hold as is (MoE experts that transformers splits on save, ...) a
 checkpoint keeps in its `state/` (`checkpoint.module_state`); a plain HF folder (`empty_init`, a frozen module's source)
-serves it through transformers' own loading (`read_through_transformers`).
+serves fused MoE experts row by row (`expert_rows`: each rank the files of its own experts) and anything else
+through transformers' own loading (`read_through_transformers`).
 
 `empty_init` (`fill_module`): a module that will be sharded is sharded first (on meta), then every rank allocates
 its own shards and reads just those rows (`get_slice`): no rank holds a full copy, no communication.
@@ -213,8 +214,11 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
     if unmapped:
-        missing = [n for n in missing if n in layout] + read_through_transformers(module, folder, unmapped,
-                                                                                  module_name)
+        from .expert_rows import read_fused_rows
+
+        unmapped = read_fused_rows(module, folder, unmapped, module_name)
+        missing = [n for n in missing if n in layout] + (read_through_transformers(module, folder, unmapped,
+                                                                                   module_name) if unmapped else [])
     params = dict(module.named_parameters())
     missing = [n for n in missing if n in params]  # a buffer the files lack keeps its constructed value
     if missing:

@@ -248,12 +248,51 @@ def merged_lora_export(out_dir: str) -> dict:
     return result
 
 
+def moe_rows(out_dir: str) -> dict:
+    """A Mixtral LLM of 4 experts saved as transformers saves it (one file tensor per expert), built with
+    `empty_init` and fully sharded over the 4 ranks (one expert each): what each rank read while it was filled (its
+    rows, its expert's file tensors only, never a full copy through transformers' loading), and on rank 0 whether
+    the gathered module equals transformers' own load, bitwise."""
+    from accelerate import Accelerator
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hf_omni import OmniModel
+    from hf_omni.modules import weights
+
+    folder = os.path.join(out_dir, "moe")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        config = MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2)
+        OmniModel.from_modules({"llm": MixtralForCausalLM(config)}).save_pretrained(folder)
+    dist.barrier()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a full copy of the module through transformers' loading")
+
+    weights.read_through_transformers = refuse
+    plugin = OmniPlugin(modules={"llm": {"parallel": "fsdp"}}, defaults={"learning_rate": 1e-3},
+                        output_dir=os.path.join(out_dir, "moe_run"))
+    built = OmniModel.from_pretrained(folder, empty_init=True)
+    result = {"fill": measured(lambda: plugin.prepare_modules(Accelerator(cpu=True), built))}
+    state = module_states(full_state(built), "llm")
+    if dist.get_rank() == 0:
+        loaded = MixtralForCausalLM.from_pretrained(os.path.join(folder, "llm")).state_dict()
+        result["equal"] = sorted(state) == sorted(loaded) and all(torch.equal(state[k], loaded[k]) for k in state)
+        result["experts"] = sorted(k for k in state if ".experts." in k)
+        result["file_bytes"] = os.path.getsize(os.path.join(folder, "llm", "model.safetensors"))
+    plugin.close()
+    return result
+
+
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     count_side_groups()
     save_source(out_dir)
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
     results["lora_merge"] = merged_lora_export(out_dir)
+    results["moe_rows"] = moe_rows(out_dir)
     results["side_groups"] = SIDE_GROUPS
     save_every_rank(results, os.path.join(out_dir, "results.json"),
                     lambda everyone, path: open(path, "w").write(json.dumps(everyone, indent=1)))

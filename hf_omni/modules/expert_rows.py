@@ -1,0 +1,104 @@
+"""This rank's rows of a tensor transformers fuses on load, read from a plain HF folder: MoE experts saved one file
+tensor per expert (`experts.<e>.w1.weight`, `.w3.`, `.w2.`) and stacked on load (`experts.gate_up_proj`,
+`experts.down_proj`), without the full CPU copy of the module that `weights.read_through_transformers` makes.
+
+How the files map onto a row (one expert) is traced, not written down per model: transformers' own save-time
+conversion (`folder_plan.weights_keys`) runs on a probe of ONE row whose elements hold their own positions; what
+comes out under each key of row 0 says where that file tensor's elements go in the row. The keys of row e are those
+of row 0 with the row index replaced, checked against every key the plan expects. A rank then reads, for each row
+it holds, that row's file tensors only (whole: they are that row's alone) and places them. A conversion that does
+not act row by row (its keys do not follow the rows, or the positions are not a permutation of the row) is left to
+transformers' loading. Costs while tracing: one row of positions (int32) per fused tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .folder_plan import FolderPlan, weights_keys
+
+Placement = tuple[int, int] | torch.Tensor  # (first position, count) of a contiguous run, or every position
+
+
+def _placement(ids: torch.Tensor) -> Placement:
+    flat = ids.reshape(-1)
+    start = int(flat[0]) if flat.numel() else 0
+    if torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
+        return start, flat.numel()
+    return flat.clone()
+
+
+def row_layout(module: nn.Module, plan: FolderPlan, source: str) -> tuple[int, dict[str, Placement]] | None:
+    """(the index of the key segment that names the row, {key of row 0: its placement in a row}) of the fused
+    tensor `source`, or None when its conversion does not act row by row."""
+    groups = [i for i, (kind, sources) in enumerate(plan.groups) if sources == [source]]
+    tensor = dict(module.named_parameters()).get(source)
+    if len(groups) != 1 or tensor is None or tensor.ndim < 2:
+        return None
+    expected = {e.key: e.shape for e in plan.entries if e.group == groups[0]}
+    row = tensor.shape[1:]
+    numel = row.numel()
+    dtype = torch.int32 if numel < 2**31 else torch.int64
+    probe = torch.arange(numel, dtype=dtype).reshape(1, *row)
+    out = weights_keys(module, {key: probe for key in plan.aliases.get(source, [])})
+    rows, segment = tensor.shape[0], None
+    for key in out:
+        parts = key.split(".")
+        found = [i for i, p in enumerate(parts) if p == "0" and all(
+            ".".join(parts[:i] + [str(e)] + parts[i + 1:]) in expected for e in range(rows))]
+        if len(found) != 1 or segment not in (None, found[0]):
+            return None
+        segment = found[0]
+    if segment is None or len(out) * rows != len(expected):
+        return None
+    for key, ids in out.items():
+        if tuple(ids.shape) != tuple(expected[key]):
+            return None
+    every = torch.cat([ids.reshape(-1) for ids in out.values()]) if out else torch.empty(0, dtype=dtype)
+    if every.numel() != numel or not torch.equal(every.sort().values, torch.arange(numel, dtype=dtype)):
+        return None
+    return segment, {key: _placement(ids) for key, ids in out.items()}
+
+
+def row_key(key: str, segment: int, row: int) -> str:
+    parts = key.split(".")
+    parts[segment] = str(row)
+    return ".".join(parts)
+
+
+@torch.no_grad()
+def read_rows(tensor, layout: tuple[int, dict[str, Placement]], weights, rows: tuple[int, int]) -> None:
+    """Fill this rank's rows [start, stop) of `tensor` (its local shard, or the whole tensor) from `weights`
+    (`weights.SafetensorsIndex`), one row's file tensors at a time."""
+    segment, placements = layout
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    for row in range(*rows):
+        flat = local[row - rows[0]].view(-1)
+        for key, where in placements.items():
+            value = weights.read(row_key(key, segment, row)).reshape(-1).to(flat.dtype)
+            if isinstance(where, tuple):
+                flat[where[0]:where[0] + where[1]].copy_(value)
+            else:
+                flat[where.long()] = value
+
+
+@torch.no_grad()
+def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_name: str) -> list[str]:
+    """The tensors `names` transformers fuses on load (MoE experts), each rank its own rows, read row by row from
+    the files of those rows alone (`expert_rows`); returns the names whose conversion is not row by row."""
+    from ..parallel.replicas import read_once
+    from .folder_plan import plan_folder
+    from .lora_base import weights_folder
+    from .weights import SafetensorsIndex, local_rows, module_tensors
+
+    plan, tensors = plan_folder(module), module_tensors(module)
+    layouts = [(name, row_layout(module, plan, name)) for name in names]
+    layouts = [(name, layout) for name, layout in layouts if layout is not None]
+    if layouts:
+        index = SafetensorsIndex.for_weights(weights_folder(folder))
+        read_once([tensors[name] for name, _ in layouts], lambda i: read_rows(
+            tensors[layouts[i][0]], layouts[i][1], index, local_rows(tensors[layouts[i][0]]) or
+            (0, tensors[layouts[i][0]].shape[0])), f"module {module_name!r}: reading {folder}")
+    done = {name for name, _ in layouts}
+    return [name for name in names if name not in done]

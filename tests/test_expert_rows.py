@@ -1,0 +1,79 @@
+"""MoE experts under `empty_init`: a rank reads only the file tensors of the experts (rows of the fused tensors) it
+holds, placed as transformers' own loading places them — traced from transformers' save-time conversion, for
+Mixtral-style (w1 / w3 / w2 per expert) and Qwen2-MoE-style (gate / up / down per expert: DeepSeek-V3, OLMoE)
+files, with no full copy of the module (`read_through_transformers` is not called)."""
+
+import pytest
+import torch
+from transformers import (
+    DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+)
+
+from hf_omni.modules import weights
+from hf_omni.modules.empty_init import build_empty
+from hf_omni.modules.expert_rows import read_rows, row_layout
+from hf_omni.modules.folder_plan import plan_folder
+from hf_omni.modules.weights import SafetensorsIndex, fill_module, module_tensors
+
+SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1)
+CASES = {
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        **{**SMALL, "num_attention_heads": 2, "num_key_value_heads": 2}, moe_intermediate_size=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)),
+    "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def saved(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = CASES[request.param]()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, folder, type(model).from_pretrained(folder).state_dict()
+
+
+def fused_names(module):
+    plan = plan_folder(module)
+    return plan, sorted({s for _, sources in plan.groups for s in sources})
+
+
+def test_each_row_is_read_from_its_own_files(saved):
+    kind, folder, loaded = saved
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    plan, names = fused_names(module)
+    assert names and all("experts" in n for n in names), names
+    index = SafetensorsIndex.for_weights(str(folder))
+    for name in names:
+        layout = row_layout(module, plan, name)
+        assert layout is not None, name
+        full = loaded[name]
+        for start, stop in ((0, 1), (1, 3), (3, 4)):  # a rank's experts
+            rows = torch.full((stop - start, *full.shape[1:]), float("nan"), dtype=full.dtype)
+            read_rows(rows, layout, index, (start, stop))
+            assert torch.equal(rows, full[start:stop]), (kind, name, start)
+
+
+def test_fill_module_reads_experts_without_transformers_full_copy(saved, monkeypatch):
+    kind, folder, loaded = saved
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a full copy through transformers' loading")
+
+    monkeypatch.setattr(weights, "read_through_transformers", refuse)
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    assert fill_module(module, str(folder), torch.device("cpu"), kind) == []
+    for name, tensor in module_tensors(module).items():
+        assert torch.equal(tensor, loaded[name]), (kind, name)
+
+
+def test_a_conversion_that_is_not_row_by_row_is_left_to_transformers(saved):
+    kind, folder, _ = saved
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    plan, names = fused_names(module)
+    plan.groups = [(k, sources) for k, sources in plan.groups if sources != [names[0]]]  # no group: no trace
+    assert row_layout(module, plan, names[0]) is None
+    assert row_layout(module, plan_folder(module), "lm_head.weight") is None  # written as is, not derived
