@@ -126,6 +126,24 @@ def test_resume_reads_each_byte_once(four_ranks, layout):
         assert max(reads) <= 1.3 * min(reads) and all(rank["received"] > 5 * MiB for rank in ranks), ranks
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_opens_only_the_files_a_rank_reads(four_ranks, layout):
+    """At resume at the same world size, a rank opens the LLM's optimizer shard files it wrote and no other: the
+    shard headers DCP's metadata needs are read by rank 0 of each load's group (the two shard groups under HSDP)
+    and broadcast, and AdamW's step counts live in optimizer.json rather than in one rank's shards."""
+    heads = {0} if layout == "full_shard" else {0, 2}
+    for rank, results in enumerate(four_ranks):
+        opened = [p.split(f"{layout}/checkpoint-1/", 1)[1] for p in results[layout]["load"]["opened"]]
+        shards = [p for p in opened if p.startswith("llm/state/")]
+        own = {p for p in shards if p.startswith(f"llm/state/shard-{rank + 1:05d}-")}
+        if rank in heads:
+            assert all(shards.count(p) <= 2 for p in shards), shards  # the headers once, its own rows once
+        else:
+            assert set(shards) == own and len(own) == 2, (rank, opened)
+        assert not [p for p in opened if p.startswith(("vision/state/", "projector/state/"))] or rank in heads or \
+            layout == "hsdp", (rank, opened)  # DDP modules' state: read by rank 0 alone
+
+
 def test_side_groups_are_few_and_use_ddp_timeout(four_ranks):
     """Over the whole launch (two layouts, four prepared runs, an async save, resumes, exports) hf_omni makes two
     gloo groups beside training's: one for the main thread's agreements and one for the async writer thread, each
@@ -135,9 +153,10 @@ def test_side_groups_are_few_and_use_ddp_timeout(four_ranks):
 
 
 def test_a_merged_lora_export_is_merged_row_by_row(four_ranks):
-    """`save_pretrained(merge_lora=True)` of the fully sharded LoRA LLM: every rank merges and writes its own rows
-    (receiving only lora_A, r rows per layer: well under 64 KB, where a gathered LLM would be 6.3 MB); the file
-    equals PEFT's own merge of the gathered module and has no adapter beside it."""
+    """`save_pretrained(merge_lora=True)` of the fully sharded DoRA LLM with a trained `lm_head` copy
+    (`modules_to_save`): every rank merges and writes its own rows (its rows of W, B and the magnitude vector, and
+    of the copy; receiving only lora_A, r rows per layer: well under 64 KB, where a gathered LLM would be 6.3 MB);
+    the file equals PEFT's own merge of the gathered module and has no adapter beside it."""
     rank0 = four_ranks[0]["lora_merge"]
     assert rank0["keys_equal"] and rank0["max_diff"] <= 1e-6 and rank0["adapter_files"] == []
     for rank in four_ranks:

@@ -191,33 +191,49 @@ def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
         assert torch.equal(value, empty.state_dict()[key]), key
 
 
-def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypatch):
-    """Plain LoRA on Linear layers is merged row by row where the rows are written (W + scaling · B A, no gathered
-    copy, no PEFT merge): the files equal PEFT's own `merge_and_unload` within float rounding; DoRA still goes
-    through PEFT on a gathered copy."""
+LORA_KINDS = {  # LoraConfig -> merged row by row (True) or by PEFT on a gathered copy
+    "lora": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), True),
+    "rslora": (dict(r=4, lora_alpha=8, target_modules=["q_proj"], use_rslora=True), True),
+    "dora": (dict(r=4, target_modules=["q_proj", "o_proj"], use_dora=True), True),
+    "lora_bias": (dict(r=4, target_modules=["q_proj"], lora_bias=True), True),
+    "modules_to_save": (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), True),
+    "embedding": (dict(r=4, target_modules=["embed_tokens", "q_proj"]), True),
+    "dora_on_embedding": (dict(r=4, target_modules=["embed_tokens"], use_dora=True), False),
+}
+
+
+@pytest.mark.parametrize("kind", list(LORA_KINDS))
+def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypatch, kind):
+    """Plain LoRA, rsLoRA, DoRA, a LoRA bias, `modules_to_save` and LoRA on an embedding are merged row by row where
+    the rows are written (no gathered copy, no PEFT merge): the files equal PEFT's own `merge_and_unload` within
+    float rounding. DoRA on an embedding goes through PEFT on a gathered copy."""
     from safetensors.torch import load_file
 
     import hf_omni.modules.folder as folder_io
     from hf_omni.modules.lora import base_state_dict, merged_module
 
+    config, by_rows = LORA_KINDS[kind]
     model = tiny_model().eval()
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                       init_lora_weights=False), model.llm)
+    if kind == "lora_bias":  # a bias to merge into (Llama with attention_bias)
+        model.llm.config.attention_bias = True
+        for layer in model.llm.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                linear = getattr(layer.self_attn, proj)
+                linear.bias = torch.nn.Parameter(torch.randn(linear.out_features))
+    inject_adapter_in_model(LoraConfig(**config, init_lora_weights=False), model.llm)
+    if kind == "modules_to_save":  # the trained copy differs from the original
+        with torch.no_grad():
+            model.llm.lm_head.modules_to_save["default"].weight.add_(0.5)
     expected = merged_module(model.llm, dict(model.llm.state_dict())).state_dict()
     peft_merges = []
     original = folder_io.save_merged
     monkeypatch.setattr(folder_io, "save_merged", lambda *a, **k: peft_merges.append(1) or original(*a, **k))
     model.save_pretrained(tmp_path / "rows", merge_lora=True)
-    assert peft_merges == []
+    assert peft_merges == ([] if by_rows else [1])
     written = load_file(str(tmp_path / "rows" / "llm" / "model.safetensors"))
     assert written.keys() == expected.keys()
     for key, value in written.items():
         assert torch.allclose(value, expected[key], atol=1e-6, rtol=0), key
-    assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"],
-                           base_state_dict(dict(model.llm.state_dict()))["model.layers.0.self_attn.q_proj.weight"])
-
-    dora = tiny_model().eval()
-    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False),
-                            dora.llm)
-    dora.save_pretrained(tmp_path / "dora", merge_lora=True)
-    assert peft_merges == [1]
+    changed = {"modules_to_save": "lm_head.weight", "dora_on_embedding": "model.embed_tokens.weight"}.get(
+        kind, "model.layers.0.self_attn.q_proj.weight")
+    assert not torch.equal(written[changed], base_state_dict(dict(model.llm.state_dict()))[changed])

@@ -27,6 +27,7 @@ from . import files, module_state, resume
 from .bases import Base, write_base
 from .digests import hash_checkpoint
 from .pipeline import SavePipeline
+from .state_json import split
 
 
 class ModuleCheckpointer:
@@ -93,7 +94,7 @@ class ModuleCheckpointer:
                                                  pipeline=pipeline, base=base.folder if base is not None else None)
             if weights_only:
                 continue
-            tensors, rest = module_state.split(optimizer_states[name], os.path.join(folder, module_state.STATE))
+            tensors, rest = split(optimizer_states[name], os.path.join(folder, module_state.STATE))
             with agreed(f"module {name!r}: writing {os.path.join(folder, module_state.STATE)} "
                         f"({module_state.OPTIMIZER}, {module_state.SCHEDULER})", self.group):
                 if is_main():

@@ -92,7 +92,7 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
     if marker.get("format") != FORMAT:
         raise ValueError(f"checkpoint {directory} has format {marker.get('format')!r}, this hf_omni reads format "
                          f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
-    check_files(directory, marker["files"], f"checkpoint {directory}")
+    check_files(directory, marker["files"], f"checkpoint {directory}", share=share)
     if verify or (verify is None and "sha256" in marker):
         from .digests import check_share
 
@@ -103,14 +103,21 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
     return marker
 
 
-def check_files(directory: str, listed: dict[str, int], what: str, marker: str = MARKER) -> None:
-    """Every file `listed` (relative path -> size) under `directory` with its size, and no other file there."""
-    extra = sorted(set(listed_files(directory, marker)) - set(listed))
-    if extra:
-        raise ValueError(f"{what}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
-    for rel, size in listed.items():
+def check_files(directory: str, listed: dict[str, int], what: str, marker: str = MARKER,
+                share: tuple[int, int] = (0, 1)) -> None:
+    """Every file `listed` (relative path -> size) under `directory` with its size, and no other file there.
+    `share` (rank, world): this rank stats file i of the sorted list when i mod world == rank, and rank 0 lists
+    the folder for files not listed, so a resume stats each file once in all (the ranks then agree)."""
+    rank, world = share
+    if rank == 0:
+        extra = sorted(set(listed_files(directory, marker)) - set(listed))
+        if extra:
+            raise ValueError(f"{what}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
+    for i, (rel, size) in enumerate(sorted(listed.items())):
         if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
             raise ValueError(f"{what}: {MARKER} lists a path outside it: {rel!r}")
+        if i % world != rank:
+            continue
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
             raise ValueError(f"{what}: file {rel} is missing")

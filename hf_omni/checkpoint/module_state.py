@@ -3,7 +3,8 @@
     shard-<rank>-<i>-of-<n>.safetensors   optimizer tensors and the module tensors its HF files cannot serve as is
                                           (fp32 masters of a module exported in bf16, ...), through DCP
                                           (`shard_writer`): every rank its own shards, offsets in the header
-    optimizer.json                        param groups and non-tensor per-parameter values (rank 0)
+    optimizer.json                        param groups, non-tensor per-parameter values and one-element tensors
+                                          (AdamW's step) as numbers (rank 0; `state_json`)
     scheduler.json                        the scheduler's `state_dict()` (rank 0)
 
 Why: DCP's default layout keeps its metadata in a pickle (`.metadata`), so resuming a downloaded checkpoint could
@@ -13,6 +14,7 @@ metadata from the headers and still reshards at another world size.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -20,6 +22,7 @@ import torch
 
 from ..modules.weights import file_layout, module_tensors
 from ..parallel.replicas import load_once
+from .state_json import json_value, like
 
 STATE = "state"
 OPTIMIZER = "optimizer.json"
@@ -45,47 +48,11 @@ def _writer(state_dir: str):
     return ShardWriter(state_dir, threads=WRITER_THREADS)
 
 
-def _reader(state_dir: str):
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+def _reader(state_dir: str, group=None, alone: bool = False):
+    """DCP's reader of `state/`, its shard headers read by one rank of the load (`shard_reader`)."""
+    from .shard_reader import ShardReader
 
-    return HuggingFaceStorageReader(state_dir)
-
-
-def _json_value(value, where: str):
-    """A param-group or per-parameter value as JSON: tuples become lists, one-element tensors numbers."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"{where}: a tensor of shape {tuple(value.shape)} outside the per-parameter state "
-                            "cannot be saved")
-        return value.item()
-    if isinstance(value, tuple):
-        return [_json_value(v, where) for v in value]
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: {type(value).__name__} value {value!r} is not JSON") from None
-    return value
-
-
-def _like(value, template):
-    """A JSON value back in the type the live optimizer holds at that place."""
-    if isinstance(template, torch.Tensor):
-        return torch.tensor(value, dtype=template.dtype, device=template.device)
-    if isinstance(template, tuple):
-        return tuple(_like(v, t) for v, t in zip(value, template))
-    return value
-
-
-def split(optim_state: dict, where: str) -> tuple[dict, dict]:
-    """(per-parameter tensors, JSON for the rest) of `get_optimizer_state_dict`'s output."""
-    tensors = {fqn: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
-               for fqn, s in optim_state["state"].items()}
-    scalars = {fqn: {k: _json_value(v, f"{where}: optimizer state {fqn}.{k}") for k, v in s.items()
-                     if not isinstance(v, torch.Tensor)}
-               for fqn, s in optim_state["state"].items()}
-    groups = [{k: (v if k == "params" else _json_value(v, f"{where}: param group {i} {k!r}")) for k, v in g.items()}
-              for i, g in enumerate(optim_state["param_groups"])]
-    return tensors, {"state": scalars, "param_groups": groups}
+    return ShardReader(state_dir, group, alone)
 
 
 def save_json(value, folder: str, name: str) -> None:
@@ -117,19 +84,21 @@ def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stag
 
 def save_scheduler(state: dict, folder: str) -> None:
     """The module's scheduler state in `state/` as JSON (rank 0)."""
-    save_json(_json_value(state, f"{folder}: scheduler"), folder, SCHEDULER)
+    save_json(json_value(state, f"{folder}: scheduler"), folder, SCHEDULER)
 
 
 def state_keys(folder: str) -> list[str]:
     """The sorted tensor keys a module's `state/` holds, read from the safetensors headers (DCP's flattened names:
     `optimizer.state.<param>.<name>`, `tensors.<name>`)."""
-    return sorted(_reader(os.path.join(folder, STATE)).read_metadata().state_dict_metadata)
+    from ..dist import checkpoint_group  # every rank calls this: the headers are read by rank 0 alone
+
+    return sorted(_reader(os.path.join(folder, STATE), checkpoint_group()).read_metadata().state_dict_metadata)
 
 
 def load_module_tensors(folder: str, tensors: dict) -> None:
     """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
     if tensors:
-        load_once({"tensors": tensors}, lambda: _reader(os.path.join(folder, STATE)), f"reading {folder}")
+        load_once({"tensors": tensors}, functools.partial(_reader, os.path.join(folder, STATE)), f"reading {folder}")
 
 
 def read_state_json(folder: str) -> tuple[dict, dict]:
@@ -162,14 +131,15 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
                          "optimizer (another model, or another weight-decay split)")
     for fqn in [fqn for fqn in template["state"] if fqn not in saved["state"]]:
         del template["state"][fqn]
-    optim_tensors, _ = split(template, state_dir)
+    optim_tensors = {fqn: {k: v for k, v in values.items() if isinstance(v, torch.Tensor) and k not in
+                           saved["state"][fqn]} for fqn, values in template["state"].items()}  # (older saves: step)
     loaded = {"optimizer": {"state": optim_tensors}, "tensors": tensors}
-    load_once(loaded, lambda: _reader(state_dir), f"reading {state_dir}")
+    load_once(loaded, functools.partial(_reader, state_dir), f"reading {state_dir}")
     for fqn, values in template["state"].items():
         values.update(loaded["optimizer"]["state"][fqn])
-        values.update({k: _like(v, values.get(k)) for k, v in saved["state"][fqn].items()})
+        values.update({k: like(v, values.get(k)) for k, v in saved["state"][fqn].items()})
     for live, saved_group in zip(live_groups, saved["param_groups"]):
-        live.update({k: _like(v, live.get(k)) for k, v in saved_group.items() if k != "params"})
+        live.update({k: like(v, live.get(k)) for k, v in saved_group.items() if k != "params"})
     return template
 
 

@@ -28,6 +28,15 @@ def resume_weights_folders(model, directory: str) -> set[str]:
     return {slot.name for slot in pending}
 
 
+def check_shared(directory: str, timeout_s: float | None = None) -> dict:
+    """`files.check_complete` with each rank statting its share of the files (and checking nothing else twice),
+    the ranks then agreeing on the outcome (digests: at the load, `verify_checkpoint`)."""
+    from ..dist import checkpoint_group
+
+    with agreed(f"checking checkpoint {directory}", checkpoint_group(timeout_s)):
+        return files.check_complete(directory, share=(rank(), world_size()))
+
+
 def check(checkpointer, directory: str, weights_only: bool = False) -> dict:
     """Every check of a checkpoint against this model, before anything is loaded (names the module and parameter
     that differ). `weights_only`: a `save_only_model` checkpoint serves too."""

@@ -194,7 +194,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
     buffers = {name for name, _ in module.named_buffers()}
-    lora_a = {a: full(tensors[a]) for a, _, _ in (merge or {}).values()}  # every rank, in the same order
+    lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
     jobs = []  # (file, offset, local tensor rows, dtype)
     for number, entry in enumerate(plan.entries):
         if entry.source is None:
@@ -207,8 +207,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         row_bytes = entry.nbytes // max(rows, 1)
         values = local[lo - first:hi - first] if local.ndim else local
         if merge and entry.source in merge:
-            a, b, scaling = merge[entry.source]
-            values = merged_rows(values, lo, hi, tensors[b], lora_a[a], scaling)
+            values = merged_rows(values, lo, hi, merge[entry.source], tensors, lora_a)
         if values.numel():
             jobs.append((entry.file, entry.offset + lo * row_bytes, values, entry.dtype))
     for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank

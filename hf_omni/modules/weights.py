@@ -15,66 +15,20 @@ its own shards and reads just those rows (`get_slice`): no rank holds a full cop
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 from torch import nn
 
 from ..compat import init_lora_layer, init_weights, own_tensors, transformers_save_keys
-from ..dtypes import BY_SAFETENSORS_NAME
 from .classes import original_class, save_view
 from .empty_init import materialize
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of
 from .lora_base import weights_folder
+from .safetensors_index import SafetensorsIndex
 
 logger = logging.getLogger(__name__)
 WEIGHTS, ADAPTER = "weights", "adapter"
-
-
-class SafetensorsIndex:
-    """Key -> file of a folder's safetensors weights (one file or shards + index), opened lazily."""
-
-    def __init__(self, folder: str, filenames: list[str]):
-        from safetensors import safe_open
-
-        self.where = {}
-        for name in filenames:
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                handle = safe_open(path, framework="pt")
-                for key in handle.keys():
-                    self.where[key] = handle
-
-    @classmethod
-    def for_weights(cls, folder: str) -> "SafetensorsIndex":
-        index = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                return cls(folder, sorted(set(json.load(f)["weight_map"].values())))
-        return cls(folder, ["model.safetensors"])
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.where
-
-    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype | None]:
-        handle = self.where[key].get_slice(key)
-        return tuple(handle.get_shape()), BY_SAFETENSORS_NAME.get(handle.get_dtype())
-
-    def first_float_dtype(self) -> str | None:
-        """The dtype name of the first floating tensor (what `from_pretrained` loads in when the config has none)."""
-        for key in sorted(self.where):
-            dtype = self.info(key)[1]
-            if dtype is not None and dtype.is_floating_point:
-                return str(dtype).removeprefix("torch.")
-        return None
-
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The whole tensor, or only rows [start, stop) of dim 0 (read from disk alone)."""
-        if rows is None:
-            return self.where[key].get_tensor(key)
-        return self.where[key].get_slice(key)[rows[0]:rows[1]]
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -164,19 +118,40 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
         if key is None:
             missing.append(name)
             continue
-        shape, dtype = source.info(key)
-        if shape != tuple(tensor.shape) or not _castable(dtype, tensor.dtype):
-            raise ValueError(f"module {module_name!r}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype} in the "
-                             f"model but {shape} {dtype} in {folder}")
-        plan.append((tensor, source, key))
+        plan.append((tensor, source, key, name))
     if strict and missing:
         raise ValueError(f"module {module_name!r}: {folder} cannot restore {len(missing)} tensors {missing[:5]}")
+    check_shapes(plan, module_name, folder, replicated, agree=not dry_run)
     if not dry_run:
         from ..parallel.replicas import read_once
 
-        read_once([tensor for tensor, _, _ in plan], lambda i: copy_rows(plan[i][0], plan[i][1].read(
+        read_once([tensor for tensor, *_ in plan], lambda i: copy_rows(plan[i][0], plan[i][1].read(
             plan[i][2], local_rows(plan[i][0]))), f"module {module_name!r}: reading {folder}", replicated)
     return missing
+
+
+def check_shapes(plan: list, module_name: str, folder: str, replicated: bool, agree: bool = True) -> None:
+    """Each (tensor, file index, key, name) of `plan` against its file's header, by the ranks that will read it
+    (others open no file for it); when some ranks check less, they all agree on the outcome before reading
+    (`agree`; a dry run is inside the caller's own agreement, which nothing may precede on one rank alone)."""
+    from ..dist import agreed, checkpoint_group
+    from ..parallel.replicas import readers
+
+    mine, split = readers([tensor for tensor, *_ in plan], replicated)
+
+    def check():
+        for (tensor, source, key, name), reading in zip(plan, mine):
+            if not reading:
+                continue
+            shape, dtype = source.info(key)
+            if shape != tuple(tensor.shape) or not _castable(dtype, tensor.dtype):
+                raise ValueError(f"module {module_name!r}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype} in "
+                                 f"the model but {shape} {dtype} in {folder}")
+
+    if not split or not agree:  # every rank checks every tensor (they all fail alike), or the caller agrees
+        return check()
+    with agreed(f"module {module_name!r}: checking {folder}", checkpoint_group()):
+        check()
 
 
 @torch.no_grad()

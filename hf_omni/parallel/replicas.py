@@ -37,6 +37,28 @@ def reads(index: int, tensor) -> bool:
     return all(tensor.device_mesh.get_local_rank(dim) == 0 for dim in dims)
 
 
+def readers(tensors, replicated: bool = False) -> tuple[list[bool], bool]:
+    """Whether this rank reads each of `tensors` itself in `read_once` (the same `replicated`), and whether the
+    reading is split between the ranks (the same answer on every rank: then they agree on what the readers found)."""
+    import torch.distributed as dist
+
+    if replicated_mesh(tensors) is not None:
+        return [reads(i, tensor) for i, tensor in enumerate(tensors)], True
+    if _whole(tensors, replicated):
+        return [dist.get_rank() == 0] * len(tensors), True
+    return [True] * len(tensors), False
+
+
+def _whole(tensors, replicated: bool) -> bool:
+    """Every rank holds `tensors` whole (a module under DDP): rank 0 reads them."""
+    import torch.distributed as dist
+
+    from ..dist import has_process_group
+
+    return bool(replicated and has_process_group() and dist.get_world_size() > 1 and tensors and
+                not any(hasattr(t, "placements") for t in tensors))
+
+
 def replicated_mesh(tensors) -> tuple | None:
     """(mesh, the dimension the tensors are sharded over) of the first DTensor in `tensors` that has replicas,
     else None."""
@@ -80,7 +102,7 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
     is then read once in all."""
     import torch.distributed as dist
 
-    from ..dist import agreed, checkpoint_group, has_process_group
+    from ..dist import agreed, checkpoint_group
 
     if replicated_mesh(tensors) is not None:
         with agreed(what, checkpoint_group()):
@@ -88,9 +110,7 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
                 if reads(i, tensor):
                     read(i)
         return share_from_readers(tensors)
-    whole = replicated and has_process_group() and dist.get_world_size() > 1 and tensors and \
-        not any(hasattr(t, "placements") for t in tensors)
-    if not whole:
+    if not _whole(tensors, replicated):
         for i in range(len(tensors)):
             read(i)
         return
@@ -111,7 +131,8 @@ def share_from_rank0(tensors) -> None:
 
 
 def load_once(state: dict, reader, what: str) -> None:
-    """`dcp.load` in place (`reader()`: a new storage reader), every byte read once in all: under HSDP each replica
+    """`dcp.load` in place (`reader(group=, alone=)`: a new storage reader for a load over `group`, or by one
+    process), every byte read once in all: under HSDP each replica
     loads the tensors it owns (DCP over its shard group; plain tensors on every replica) and sends them to the
     others; a module held whole by every rank (DDP) is read by rank 0, then broadcast."""
     import torch.distributed.checkpoint as dcp
@@ -125,7 +146,7 @@ def load_once(state: dict, reader, what: str) -> None:
     if found is None and not sharded and has_process_group() and world_size() > 1:
         with agreed(what, checkpoint_group()):
             if is_main():
-                dcp.load(state, storage_reader=reader(), no_dist=True)
+                dcp.load(state, storage_reader=reader(alone=True), no_dist=True)
         return share_from_rank0(tensors)
     if found is None:
         return dcp.load(state, storage_reader=reader())
@@ -135,7 +156,7 @@ def load_once(state: dict, reader, what: str) -> None:
     mine = tree_unflatten([leaf if not torch.is_tensor(leaf) or reads(numbers[id(leaf)], leaf) else None
                            for leaf in leaves], spec)
     with agreed(what, checkpoint_group()):
-        dcp.load(_without_none(mine), storage_reader=reader(), process_group=group)
+        dcp.load(_without_none(mine), storage_reader=reader(group=group), process_group=group)
     share_from_readers(tensors)
 
 

@@ -20,6 +20,7 @@ from transformers import Trainer
 
 from ..arguments.training import OmniTrainingArguments
 from ..checkpoint import files as checkpoint_files
+from ..checkpoint.resume import check_shared
 from ..checkpoint.rng import restore_rng_state, save_rng_state
 from ..hub.cards import write_summary
 from ..offline.serve import ENCODE_ONLY, CachedRows
@@ -59,14 +60,13 @@ class OmniTrainer(HubPushMixin, Trainer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`resume_from_checkpoint=True` takes the newest checkpoint that has its completion marker; an explicit
-        path must exist and be complete. Both are checked before anything is loaded."""
+        """`resume_from_checkpoint=True`: the newest checkpoint with its marker; either is checked before any load."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoint_files.newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            checkpoint_files.check_complete(str(resume_from_checkpoint))  # digests: by the plugin's load, on rank 0
+            check_shared(str(resume_from_checkpoint), self.args.ddp_timeout)  # each rank stats its share
         if self.plugin.offline and not self.plugin.modules_prepared:
             self._serve_offline()
         if os.environ.get(ENCODE_ONLY) == "1":  # `hf-omni encode`: the caches are built; stop here

@@ -82,6 +82,21 @@ def save_source(out_dir: str) -> None:
     dist.barrier()
 
 
+OPENED = []  # every file opened through safetensors.safe_open (a header read), in order
+
+
+def count_opens() -> None:
+    import safetensors
+
+    original = safetensors.safe_open
+
+    def counted(*args, **kwargs):
+        OPENED.append(str(kwargs.get("filename", args[0] if args else None)))
+        return original(*args, **kwargs)
+
+    safetensors.safe_open = counted
+
+
 def written() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
@@ -89,11 +104,11 @@ def written() -> int:
 
 def measured(fn) -> dict:
     dist.barrier()
-    before, read = written(), READ["bytes"]
+    before, read, opened = written(), READ["bytes"], len(OPENED)
     with ReceivedBytes() as received, Hashed() as hashed:
         fn()
     return {"received": received.total, "by_name": dict(received.by_name), "written": written() - before,
-            "hashed": hashed.bytes, "read": READ["bytes"] - read}
+            "hashed": hashed.bytes, "read": READ["bytes"] - read, "opened": OPENED[opened:]}
 
 
 def prepared(layout: str, out: str, seed: int):
@@ -220,7 +235,8 @@ def resume_corrupted(layout: str, out_dir: str, checkpoint: str) -> str:
 
 
 LORA = {"vision": {"parallel": "ddp"}, "projector": {"parallel": "ddp"},
-        "llm": {"parallel": "fsdp", "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}
+        "llm": {"parallel": "fsdp", "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                             "use_dora": True, "modules_to_save": ["lm_head"]}}}
 
 
 def merged_lora_export(out_dir: str) -> dict:
@@ -289,6 +305,7 @@ def moe_rows(out_dir: str) -> dict:
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     count_side_groups()
+    count_opens()
     save_source(out_dir)
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
     results["lora_merge"] = merged_lora_export(out_dir)

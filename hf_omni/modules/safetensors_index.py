@@ -1,0 +1,74 @@
+"""`SafetensorsIndex`: which file of a module folder holds each key, each file opened when first needed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..dtypes import BY_SAFETENSORS_NAME
+
+
+class SafetensorsIndex:
+    """Key -> file of a folder's safetensors weights (one file, or shards + index). With an index, a file is opened
+    only when one of its keys is first looked at: a rank that reads rows of a few files opens only those."""
+
+    def __init__(self, folder: str, filenames: list[str], weight_map: dict[str, str] | None = None):
+        self.folder, self._handles = folder, {}
+        if weight_map is None:  # no index: the files' own headers say which keys they hold
+            weight_map = {key: name for name in filenames if os.path.isfile(os.path.join(folder, name))
+                          for key in self._handle(name).keys()}
+        for name in set(weight_map.values()):
+            if os.path.basename(name) != name or name in (".", ".."):
+                raise ValueError(f"{folder}: its safetensors index names {name!r}, which is not a file beside it")
+        self.files = weight_map
+
+    def _handle(self, name: str):
+        if name not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[name] = safe_open(os.path.join(self.folder, name), framework="pt")
+        return self._handles[name]
+
+    @property
+    def where(self) -> dict:
+        """Key -> its open file (opens every file)."""
+        return {key: self._handle(name) for key, name in self.files.items()}
+
+    def _slice(self, key: str, whole: bool = False):
+        try:
+            handle = self._handle(self.files[key])
+            return handle.get_tensor(key) if whole else handle.get_slice(key)
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{self.folder}: {self.files[key]} does not hold {key} as its index says "
+                             f"({type(err).__name__}: {err})") from None
+
+    @classmethod
+    def for_weights(cls, folder: str) -> "SafetensorsIndex":
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                return cls(folder, [], dict(json.load(f)["weight_map"]))
+        return cls(folder, ["model.safetensors"])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        handle = self._slice(key)
+        return tuple(handle.get_shape()), BY_SAFETENSORS_NAME.get(handle.get_dtype())
+
+    def first_float_dtype(self) -> str | None:
+        """The dtype name of the first floating tensor (what `from_pretrained` loads in when the config has none)."""
+        for key in sorted(self.files):
+            dtype = self.info(key)[1]
+            if dtype is not None and dtype.is_floating_point:
+                return str(dtype).removeprefix("torch.")
+        return None
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The whole tensor, or only rows [start, stop) of dim 0 (read from disk alone)."""
+        if rows is None:
+            return self._slice(key, whole=True)
+        return self._slice(key)[rows[0]:rows[1]]
