@@ -63,7 +63,9 @@ def stub_exchange(model, monkeypatch) -> dict:
     monkeypatch.setattr(missing, "world_size", lambda: 2)
     monkeypatch.setattr(missing, "comm_device", lambda prepared: torch.device("cpu"))
 
-    def shared_shapes(module, method, values, device=None):
+    def shared_shapes(module, method, values, error=None):
+        if error is not None:  # as every rank would, once the exchange carried it
+            raise ValueError(f"{error} (on rank 0; every rank raises this)")
         mine = all(v is not None and len(v) for v in values.values())
         donors = SHAPES if exchange["others"] or mine else dict.fromkeys(values)
         donor = (0 if mine else 1) if donors is SHAPES else None

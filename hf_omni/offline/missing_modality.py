@@ -49,21 +49,26 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     bound = inspect.signature(fn).bind(model, *args, **kwargs)
     inputs = {column: bound.arguments.get(column) for column in spec.inputs}
     present = [c for c, v in inputs.items() if v is not None and not (isinstance(v, torch.Tensor) and not len(v))]
+    error = None
     if present and len(present) != len(inputs):
-        raise ValueError(f"module {spec.module!r}: {spec.method} got {present} but None for "
-                         f"{[c for c in inputs if c not in present]}; a sample without this modality passes None "
-                         "for every input")
+        error = ValueError(f"module {spec.module!r}: {spec.method} got {present} but None for "
+                           f"{[c for c in inputs if c not in present]}; a sample without this modality passes None "
+                           "for every input")
     if not runs_collectives(model):
+        if error is not None:
+            raise error
         return fn(*bound.args, **bound.kwargs) if present else None
     prepared = model.prepared
     if model.slots[spec.module].is_released:  # ranks given cached outputs never call it: no exchange
+        if error is not None:
+            raise error
         if present:
             return fn(*bound.args, **bound.kwargs)
         if spec.module not in CACHED.get(model, {}):
             raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
         row = CACHED[model][spec.module]
         return None if row is None else torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
-    donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, comm_device(prepared))
+    donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, error=error)
     sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
     if present:
         in_window(model, spec, {c: inputs[c][:1].detach().clone() for c in spec.inputs})
@@ -79,10 +84,9 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
 def dummy_rows(model, spec, fn, bound):
     """The method on the dummy; its first 0 rows, joined to the forward's loss. The buffers the dummy changed are
     put back now, and again at the end of backward (to what they were when backward reached the dummy)."""
-    before = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    touched = [(b, b.detach().clone()) for b in model.slots[spec.module].module.buffers() if not b.is_meta]
     out = tensor_output(spec, fn(*bound.args, **bound.kwargs))
-    touched = [(b, saved) for b, saved in before if not torch.equal(b, saved)]
-    restore(touched)
+    restore(touched)  # all of its module's buffers, unread: no comparison (a device sync per buffer)
     rows = out[:0]
     if rows.requires_grad and touched:  # activation checkpointing re-runs the dummy's forward in backward
 
@@ -137,25 +141,41 @@ def comm_device(prepared) -> torch.device:
     return torch.device("cpu") if str(dist.get_backend()) == "gloo" else prepared.device
 
 
-def shared_shapes(module: str, method: str, values: dict, device=None) -> tuple[dict, int | None, bool]:
-    """One all-gather: per column, the shape and dtype of the first rank that has a value for it (or None); that
-    rank; and whether every rank has every value."""
+def shared_shapes(module: str, method: str, values: dict, error: Exception | None = None
+                  ) -> tuple[dict, int | None, bool]:
+    """One all-gather, of host tensors on hf_omni's gloo side group (no device memory is read): per column, the shape
+    and dtype of the first rank that has a value for it (or None); that rank; and whether every rank has every value.
+    A rank whose inputs are wrong (`error`, or a value that is no tensor of a known dtype) says so in the same
+    all-gather, and every rank then raises the same error, naming the module and that rank."""
     import torch.distributed as dist
 
-    mine = torch.zeros(len(values), 3 + MAX_DIMS, dtype=torch.int64)
+    from ..dist import checkpoint_group
+
+    problem = None if error is None else str(error)
+    mine = torch.zeros(len(values) + 1, 3 + MAX_DIMS, dtype=torch.int64)  # the last row: this rank's error flag
     for i, (column, value) in enumerate(values.items()):
+        if problem is not None:
+            break
         if value is None or (isinstance(value, torch.Tensor) and not len(value)):
             continue
         if not isinstance(value, torch.Tensor) or value.dtype not in CODES or not 1 <= value.ndim <= MAX_DIMS:
-            raise ValueError(f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims "
-                             f"with a dtype in {[str(d) for d in CODES]}, got "
-                             f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}")
+            problem = (f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims with a "
+                       f"dtype in {[str(d) for d in CODES]}, got {getattr(value, 'dtype', type(value).__name__)} "
+                       f"{tuple(getattr(value, 'shape', ()))}")
+            break
         mine[i, :3] = torch.tensor([1, CODES.index(value.dtype), value.ndim])
         mine[i, 3:3 + value.ndim] = torch.tensor(value.shape)
-    device = device or torch.device("cpu")
-    everyone = torch.empty(world_size() * len(values), 3 + MAX_DIMS, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine.to(device))
-    everyone = everyone.cpu().view(world_size(), len(values), -1)
+    mine[-1, 0] = problem is not None
+    group = checkpoint_group()
+    everyone = torch.empty(world_size() * (len(values) + 1), 3 + MAX_DIMS, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    everyone = everyone.view(world_size(), len(values) + 1, -1)
+    failed = [r for r in range(world_size()) if everyone[r, -1, 0] == 1]
+    if failed:  # every rank knows: the messages follow, on every rank alike
+        messages = [None] * world_size()
+        dist.all_gather_object(messages, problem, group=group)
+        raise ValueError(f"{messages[failed[0]]} (on rank {failed[0]}; every rank raises this)")
+    everyone = everyone[:, :-1]
     have = everyone[:, :, 0] == 1
     ranks = [r for r in range(world_size()) if have[r].all()]
     donors = {column: None for column in values}
@@ -195,8 +215,7 @@ def before_forward(model, args: tuple, kwargs: dict) -> None:
     if specs:
         given = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
         values = {s.output: kwargs.get(s.output, given.get(s.output)) for s in specs}
-        donors, _, _ = shared_shapes(", ".join(s.module for s in specs), "forward", values,
-                                     comm_device(model.prepared))
+        donors, _, _ = shared_shapes(", ".join(s.module for s in specs), "forward", values)
         CACHED[model] = {s.module: in_window(model, s, donors[s.output]) for s in specs}  # on every rank alike
     return None
 

@@ -1,0 +1,48 @@
+"""Inputs to an entry point wrong on one rank, at 2 ranks started as plain processes (RANK / WORLD_SIZE /
+MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partial`) or a list for them (MODE
+`not_a_tensor`). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
+
+Usage: mp_exchange.py MODE OUT_DIR"""
+
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from transformers import ResNetConfig, ResNetModel
+
+from hf_omni import OmniModel, OmniPlugin, offline_encoder
+
+
+class Tower(OmniModel):
+    @offline_encoder(module="vision", inputs=["pixel_values", "mask"], output="features")
+    def encode(self, pixel_values, mask):
+        return self.vision(pixel_values=pixel_values * mask).pooler_output.flatten(1)
+
+    def forward(self, pixel_values=None, mask=None):
+        feats = self.encode(pixel_values, mask=mask)
+        return {"loss": feats.square().mean()}
+
+
+def main(mode: str, out_dir: str):
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    vision = ResNetModel(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[16], depths=[1],
+                                      layer_type="basic"))
+    plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}}, defaults={"learning_rate": 1e-3})
+    model, _, _ = plugin.prepare(Accelerator(cpu=True), Tower.from_modules({"vision": vision}), num_training_steps=2)
+    pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    if rank == 1:
+        mask = None if mode == "partial" else [[1.0]] * 2
+    try:
+        model(pixel_values=pixels, mask=mask)["loss"].backward()
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        outcome = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    sys.exit(0 if outcome == "no error" else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

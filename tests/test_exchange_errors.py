@@ -1,0 +1,31 @@
+"""An entry point's inputs wrong on one rank (tests/scripts/mp_exchange.py, 2 plain processes, no launcher): the
+error travels in the exchange's own all-gather, so both ranks raise the same error naming the module and the rank
+within seconds, instead of one rank raising alone and the other waiting in a collective."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from launching import SCRIPTS, free_port, subprocess_env
+
+CASES = {
+    "partial": r"ValueError: module 'vision': encode got ['pixel_values'] but None for ['mask']",
+    "not_a_tensor": "ValueError: module 'vision': 'mask' of encode must be a tensor of 1 to 8 dims",
+}
+
+
+@pytest.mark.parametrize("mode", list(CASES))
+def test_one_rank_with_wrong_inputs_fails_every_rank_with_the_same_error(tmp_path, mode):
+    port, procs, start = free_port(), [], time.monotonic()
+    for rank in (0, 1):
+        env = subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "mp_exchange.py"), mode, str(tmp_path)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [1, 1] and time.monotonic() - start < 60, [p.stderr.read()[-2000:] for p in procs]
+    first, second = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert first == second, (first, second)
+    assert first.startswith(CASES[mode]) and first.endswith("(on rank 1; every rank raises this)"), first
