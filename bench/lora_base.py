@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from scale import MB, MODEL_DIR, ROOT, Measure, composed_class
+from scale import MB, MODEL_DIR, ROOT, Measure, composed_class, every_rank
 
 LAYOUTS = {"1 rank": 1, "full shard (2,)": 2}
 LORA = {"r": 16, "target_modules": ["q_proj", "v_proj"]}
@@ -61,11 +61,7 @@ def worker(world: int, once: bool) -> None:
         plugin.load_state(os.path.join(out, "checkpoint-2"))
         barrier()
     figures["load"] = load.figures
-    everyone = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, figures)
-    else:
-        everyone = [figures]
+    everyone = every_rank(figures)
     if not dist.is_initialized() or dist.get_rank() == 0:
         frozen = os.path.join(out, "frozen")
         print("RESULT " + json.dumps({"ranks": everyone, "base": folder_bytes(frozen) if os.path.isdir(frozen) else 0,

@@ -114,6 +114,17 @@ class Measure:
                         "received": self.received.total, "seconds": self.seconds}
 
 
+def every_rank(mine: dict) -> list[dict]:
+    """Every rank's figures, on every rank (one object all-gather; just this process's without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def worker(layout: str, save_async: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -156,11 +167,7 @@ def worker(layout: str, save_async: bool) -> None:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.llm.parameters(), *moments]]
     own = sum(t.numel() * t.element_size() for t in local)  # this rank's shards: parameters + AdamW moments
     mine = {"save": save.figures, "load": load.figures, "own": own}
-    everyone = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
+    everyone = every_rank(mine)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print("RESULT " + json.dumps({"layout": layout, "world": world, "params": params, "largest": largest,
                                       "checkpoint": checkpoint_bytes, "ranks": everyone}))

@@ -129,10 +129,6 @@ def module_folder(root: str, config: OmniConfig, name: str) -> str:
                                                                                          "adapter_config.json")):
         return folder  # a module folder, or a LoRA checkpoint's adapter folder (its base written apart)
     source = entry.source
-    if source and not os.path.isdir(source) and os.path.basename(os.path.dirname(os.path.normpath(source))) == "frozen":
-        from .modules.lora_base import find_frozen  # written once by the run (built in memory): the run moved
-
-        source = find_frozen(root, os.path.basename(os.path.normpath(source)), marker="config.json") or source
     if source and os.path.isdir(source):
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise ValueError(f"module {name!r}: source {source} is not a module folder (no config.json)")

@@ -274,3 +274,22 @@ def test_verify_checkpoint_catches_a_change_that_keeps_the_size(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="has no sha256 of its files to verify"):
         run(tmp_path / "plain", steps=10, resume=str(tmp_path / "plain" / "checkpoint-5"), verify_checkpoint=True)
+
+
+def test_one_element_optimizer_tensors_round_trip_through_the_json_exactly():
+    """AdamW's `step` and the moments of a one-element parameter go to optimizer.json (not to one rank's shard):
+    back with their dtype and shape, bit for bit; a larger tensor stays in the shards."""
+    from hf_omni.checkpoint.state_json import like, split
+
+    state = {"state": {"scale": {"step": torch.tensor(7.0), "exp_avg": torch.tensor([0.1234567], dtype=torch.float32),
+                                 "exp_avg_sq": torch.tensor([3e-9], dtype=torch.bfloat16)},
+                       "w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 2), "count": torch.tensor(2**60)}},
+             "param_groups": [{"params": ["scale", "w"], "lr": 1e-3}]}
+    tensors, rest = split(state, "here")
+    assert set(tensors["scale"]) == set() and set(tensors["w"]) == {"exp_avg"}
+    saved = json.loads(json.dumps(rest))  # as optimizer.json holds it
+    for fqn, values in state["state"].items():
+        for key, value in saved["state"][fqn].items():
+            back = like(value, values[key])
+            assert back.dtype == values[key].dtype and back.shape == values[key].shape
+            assert torch.equal(back, values[key]), (fqn, key)

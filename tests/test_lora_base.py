@@ -87,8 +87,17 @@ def test_resume_in_the_same_run_uses_the_base_and_another_run_writes_its_own(tmp
     assert other != name and base_of(tmp_path / "other" / "checkpoint-10")["name"] == other
 
 
+def with_vision_from_a_folder(folder) -> Captioner:
+    """tiny_model with its (frozen) encoder loaded from `folder`: its recorded source, outside the run."""
+    built = tiny_model()
+    built.vision.save_pretrained(folder)
+    vision = type(built.vision).from_pretrained(folder)
+    return Captioner.from_modules({"vision": vision, "projector": built.projector, "llm": built.llm},
+                                  processors=built.processors)
+
+
 def test_a_moved_run_finds_its_base_and_a_checkpoint_moved_alone_says_what_is_missing(tmp_path):
-    trainer, model = run(tmp_path / "a", steps=5)
+    trainer, model = run(tmp_path / "a", steps=5, model=with_vision_from_a_folder(tmp_path / "vit"))
     shutil.move(tmp_path / "a", tmp_path / "b")  # the whole output_dir: the absolute reference is stale
     ckpt = tmp_path / "b" / "checkpoint-5"
     assert not os.path.exists(base_of(ckpt)["folder"])
@@ -166,3 +175,15 @@ def test_only_a_base_that_cannot_change_is_written_apart():
     for name, p in vision.named_parameters():
         p.requires_grad_(".lora_" in name)
     assert not has_fixed_base(vision)
+
+
+def test_a_base_that_trains_is_written_with_each_checkpoint_even_when_one_was_recorded(tmp_path):
+    """A recorded base (written before, or adopted at resume) serves only a module whose base cannot change: one
+    whose base trains gets its whole folder at every save, never a reference to stale base weights."""
+    trainer, model = run(tmp_path, steps=5)
+    checkpointer = trainer.plugin.checkpointer
+    assert "llm" in checkpointer.bases
+    checkpointer.states["llm"]._fixed_base = False  # as for a run that also trains base tensors
+    trainer.plugin.save_state(str(tmp_path / "again"), step=5)
+    assert (tmp_path / "again" / "llm" / "model.safetensors").exists()
+    assert "bases" not in json.loads((tmp_path / "again" / MARKER).read_text())

@@ -81,13 +81,15 @@ class ModuleCheckpointer:
             elif self.output_dir and slot.name not in self.bases and self.states[slot.name].fixed_base:
                 self.bases[slot.name] = write_base(slot, self.states[slot.name].base_plan(), self.output_dir,
                                                    self.group, self.verify)
+        used = {name: base for name, base in self.bases.items()  # a base that trains is written with the module
+                if name in self.trainable and self.states[name].fixed_base}
         pipeline = self.pipeline
         if pipeline is not None:
             pipeline.begin([self.model.slots[name].module for name in self.trainable])
         optimizer_states = {} if weights_only else optimizer.state_dict()  # every rank its own shards
         scheduler_states = {} if weights_only else scheduler.state_dict()
         for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
-            slot, folder, base = self.model.slots[name], self.folder(directory, name), self.bases.get(name)
+            slot, folder, base = self.model.slots[name], self.folder(directory, name), used.get(name)
             plan = self.states[name].plan.adapter_only() if base is not None else self.states[name].plan
             with agreed(f"module {name!r}: writing {folder}", self.group):  # every rank its own rows
                 folder_write.write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes,
@@ -107,8 +109,7 @@ class ModuleCheckpointer:
                 if not weights_only:
                     files.save_scaler(optimizer.scaler, directory)
         futures = pipeline.start(self.async_group) if pipeline is not None else []
-        bases = {name: base.record() for name, base in self.bases.items() if name in self.trainable}
-        self._pending = (directory, step, futures, not weights_only, bases)
+        self._pending = (directory, step, futures, not weights_only, {n: b.record() for n, b in used.items()})
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None, None))[2]])
             self._exit_hook = True

@@ -63,7 +63,8 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
     with agreed(f"checking checkpoint {directory}", group):
         marker = check(checkpointer, directory, weights_only)
         for name, base in ({} if weights_only else bases.recorded(directory, marker)).items():
-            if name in trainable and bases.adopt(base, checkpointer.output_dir, checkpointer.verify):
+            if name in trainable and checkpointer.states[name].fixed_base and \
+                    bases.adopt(base, checkpointer.output_dir, checkpointer.verify):
                 checkpointer.bases[name] = base  # the next checkpoints refer to it too: not written again
         config = OmniConfig.from_pretrained(directory)
         folders = {name: module_folder(directory, config, name) for name in model.module_names}

@@ -26,8 +26,8 @@ def json_value(value, where: str):
 
 def like(value, template):
     """A JSON value back in the type the live optimizer holds at that place."""
-    if isinstance(template, torch.Tensor):
-        return torch.tensor(value, dtype=template.dtype, device=template.device)
+    if isinstance(template, torch.Tensor):  # its shape too: a one-element moment of a (1,) parameter stays (1,)
+        return torch.tensor(value, dtype=template.dtype, device=template.device).reshape(template.shape)
     if isinstance(template, tuple):
         return tuple(like(v, t) for v, t in zip(value, template))
     return value
@@ -36,18 +36,20 @@ def like(value, template):
 def _scalar(value) -> bool:
     """A one-element tensor held whole (AdamW's `step`): kept in the JSON, not in the shards, where DCP would store
     each in one rank's file and every rank would open every other rank's files at resume to read them."""
-    return isinstance(value, torch.Tensor) and not hasattr(value, "placements") and value.numel() == 1
+    return isinstance(value, torch.Tensor) and not hasattr(value, "placements") and value.numel() == 1 and \
+        not value.is_complex()
 
 
 def _numbers(state: dict) -> dict:
-    """The one-element tensors of a per-parameter state as numbers, in one copy to the host."""
+    """The one-element tensors of a per-parameter state as numbers, exactly (floats through float64, integers and
+    booleans through int64), in one copy to the host per kind."""
     found = [(fqn, k, v) for fqn, s in state.items() for k, v in s.items() if _scalar(v)]
-    if not found:
-        return {}
-    values = torch.cat([v.detach().reshape(1).to("cpu", torch.float64) for _, _, v in found]).tolist()
     numbers = {}
-    for (fqn, k, v), number in zip(found, values):
-        numbers[(fqn, k)] = int(number) if not (v.is_floating_point() or v.is_complex()) else number
+    for floating, dtype in ((True, torch.float64), (False, torch.int64)):
+        group = [(fqn, k, v) for fqn, k, v in found if v.is_floating_point() == floating]
+        if group:
+            values = torch.cat([v.detach().reshape(1).to("cpu", dtype) for _, _, v in group]).tolist()
+            numbers.update(((fqn, k), number) for (fqn, k, _), number in zip(group, values))
     return numbers
 
 

@@ -52,32 +52,24 @@ def base_reference(folder: str) -> str | None:
         return json.load(f).get("base_model_name_or_path") or None
 
 
-def find_base(start: str, name: str, reference: str | None = None, marker: str = BASE_MARKER) -> str:
-    """The base folder `name` (with its `marker`): at `reference` when it is there, else in `frozen/` of `start` or
-    one of its parents (a run folder that moved). A clear error when it is nowhere."""
-    found = find_frozen(start, name, reference, marker)
-    if found is None:
-        raise FileNotFoundError(f"{start}: its LoRA base {name} is neither at {reference or 'its recorded path'} nor "
-                                f"in a {FROZEN}/ folder beside it: move a checkpoint together with its run's {FROZEN}/ "
-                                "folder, or export it first (`hf-omni export`, which copies the base in)")
-    return found
-
-
-def find_frozen(start: str, name: str, reference: str | None = None, marker: str = BASE_MARKER) -> str | None:
-    """`find_base` without the error; `marker` "config.json": a frozen module written once (`<output_dir>/frozen/
-    <module>/`, its recorded source), found again when its run folder moved."""
+def find_base(start: str, name: str, reference: str | None = None) -> str:
+    """The base folder `name` (with its marker): at `reference` when it is there, else in `frozen/` of `start` or
+    one of its parents (a run folder that moved; the name's token makes it that base and no other). A clear error
+    when it is nowhere."""
     if not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError(f"{start}: {name!r} is not the name of a frozen folder")
     if reference and os.path.isabs(reference) and os.path.basename(os.path.normpath(reference)) == name and \
-            os.path.isfile(os.path.join(reference, marker)):
+            os.path.isfile(os.path.join(reference, BASE_MARKER)):
         return reference
     here = os.path.abspath(start)
     for _ in range(SEARCH_DEPTH):
         candidate = os.path.join(here, FROZEN, name)
-        if os.path.isfile(os.path.join(candidate, marker)):
+        if os.path.isfile(os.path.join(candidate, BASE_MARKER)):
             return candidate
         here = os.path.dirname(here)
-    return None
+    raise FileNotFoundError(f"{start}: its LoRA base {name} is neither at {reference or 'its recorded path'} nor in a "
+                            f"{FROZEN}/ folder beside it: move a checkpoint together with its run's {FROZEN}/ folder, "
+                            "or export it first (`hf-omni export`, which copies the base in)")
 
 
 def weights_folder(folder: str) -> str:
