@@ -52,6 +52,7 @@ def main():
     if trainer.is_world_process_zero():
         print(f"held-out caption accuracy: {accuracy:.1%} ({len(held_out)} images) after {args.max_steps} steps, "
               f"{seconds:.0f} s of training; export in {args.output_dir}")
+    trainer.end()  # destroys the process group (Trainer's own teardown; gloo aborts at exit without it)
 
 
 if __name__ == "__main__":

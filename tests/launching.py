@@ -37,3 +37,16 @@ def launch(script: str, *args: str, processes: int = 2, timeout: int = 600, env_
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
         raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")
+
+
+def end_distributed(code: int = 0) -> None:
+    """Exits a launched script after destroying its process groups, as torch asks of every program: a gloo group
+    left for the interpreter's teardown may still hold work whose tensors refer to Python objects, and freeing
+    them then aborts the process (SIGABRT, "terminate called without an active exception") instead of exiting with
+    CODE. Only for a point every rank reaches (success, or an error every rank raised): a rank that destroys while
+    another is still in a collective would wait for it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)

@@ -14,6 +14,7 @@ from real_model_runs import mismatches, straight_and_resumed
 from real_models import Batches, mode_overlay
 
 from hf_omni import OmniTrainer
+from launching import end_distributed
 
 TIED = dict(t5="full", whisper="frozen", qwen2vl="full", projector="full", llm="full")
 FSDP = {"t5": {"parallel": "fsdp"}, "llm": {"parallel": "fsdp"}}
@@ -69,3 +70,4 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

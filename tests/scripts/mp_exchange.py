@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from transformers import ResNetConfig, ResNetModel
 
 from hf_omni import OmniModel, OmniPlugin, offline_encoder
+from launching import end_distributed
 
 
 class Tower(OmniModel):
@@ -41,7 +42,7 @@ def main(mode: str, out_dir: str):
         outcome = f"{type(err).__name__}: {err}"
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(outcome)
-    sys.exit(0 if outcome == "no error" else 1)
+    end_distributed(0 if outcome == "no error" else 1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from checkpoint_scenario import make_trainer
 
 import hf_omni.checkpoint.resume
 import hf_omni.modules.folder_write
+from launching import end_distributed
 
 
 def fail_writing_on_rank0_at_step4():
@@ -53,8 +54,8 @@ def main(mode: str, out_dir: str):
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(f"{type(err).__name__}: {err}")
         traceback.print_exc()
-        sys.exit(1)
-    sys.exit(0)
+        end_distributed(1)
+    end_distributed(0)
 
 
 if __name__ == "__main__":

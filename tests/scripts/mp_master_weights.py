@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from hf_omni import OmniTrainer
 from hf_omni.testing.digits import Captioner
+from launching import end_distributed
 
 LR = 1e-6
 POLICIES = {"unset": None, "bf16": "bf16", "dict": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
@@ -110,3 +111,4 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

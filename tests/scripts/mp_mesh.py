@@ -16,6 +16,7 @@ from mesh_scenarios import ELASTIC, SCENARIOS, build
 from mp_scenarios import sharding_facts
 
 from hf_omni import OmniTrainer
+from launching import end_distributed
 
 
 def elastic(out_dir: str, checkpoint: str):
@@ -57,3 +58,4 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     elastic(sys.argv[1], sys.argv[3]) if sys.argv[2:3] == ["elastic"] else main(sys.argv[1])
+    end_distributed()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from real_model_runs import mismatches, straight_and_resumed
 from real_models import Batches
+from launching import end_distributed
 
 CASES = {
     "ddp": ("llama_fp32", dict(vit="full", resnet="full", bert="lora", clip="frozen", siglip="frozen",
@@ -59,3 +60,4 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

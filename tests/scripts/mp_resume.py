@@ -12,6 +12,7 @@ from checkpoint_scenario import LAYOUTS, resume_trainer
 from helpers import full_state, step_losses
 from no_pickle import no_unpickling
 from transformers import TrainerCallback
+from launching import end_distributed
 
 
 class StopAt(TrainerCallback):
@@ -47,3 +48,4 @@ def main(out_dir, one_rank_dir=None):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_distributed()

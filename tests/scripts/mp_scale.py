@@ -21,6 +21,7 @@ from hf_omni.checkpoint import digests
 from hf_omni.testing.collectives import ReceivedBytes
 from hf_omni.testing.digits import Captioner, build_model
 from hf_omni.testing.reads import count_reads
+from launching import end_distributed
 
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
 LAYOUTS = {  # HSDP first: its empty_init fill is the first thing that agrees, before any checkpointer exists
@@ -317,3 +318,4 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

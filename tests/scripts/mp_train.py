@@ -15,6 +15,7 @@ from mp_scenarios import FSDP_ENV, SCENARIOS, sharding_facts
 from transformers import TrainerCallback
 
 from hf_omni import OmniTrainer
+from launching import end_distributed
 
 
 class GatheredProbe(TrainerCallback):
@@ -114,3 +115,4 @@ def main(out_dir: str, names: list[str]):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:] or list(SCENARIOS))
+    end_distributed()
