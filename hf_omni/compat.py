@@ -20,6 +20,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("torch", "torch.distributed._composable.replicate.replicate"),
     ("torch", "torch.distributed._composable.replicate.DDP"),
     ("torch", "torch.autograd.Variable._execution_engine"),
+    ("torch", "torch.amp.grad_scaler._refresh_per_optimizer_state"),
     ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
     ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
     ("transformers", "transformers.modeling_utils._get_tied_weight_keys"),
@@ -94,6 +95,17 @@ def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: di
 def queue_backward_callback(callback) -> None:
     """Run `callback` once the current backward pass has finished (autograd's engine queue)."""
     resolve("torch.autograd.Variable._execution_engine").queue_callback(callback)
+
+
+def scaler_found_infs(scaler, optimizer) -> dict:
+    """The found-inf tensors (device -> tensor) that `GradScaler.unscale_(optimizer)` recorded and that its `step`
+    and `update` read: the dict itself, so a caller can make every optimizer see the same answer."""
+    resolve("torch.amp.grad_scaler._refresh_per_optimizer_state")
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    if "found_inf_per_device" not in state:
+        raise MissingInternalError("hf_omni relies on torch's GradScaler keeping `found_inf_per_device` per optimizer "
+                                   "in `_per_optimizer_states` after `unscale_`, which the installed torch does not")
+    return state["found_inf_per_device"]
 
 
 def dcp_sharding_info_key() -> str:

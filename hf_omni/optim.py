@@ -63,31 +63,41 @@ def build_optimizers(model, base_args: TrainingArguments, num_training_steps: in
         except ValueError as err:
             raise OmniArgumentError(name, "lr_scheduler_type", f"{err} (pass num_training_steps to prepare)") from None
     modules = {name: model.slots[name].module for name in trainable}
-    return ModuleOptimizers(optimizers, modules, scaler), ModuleSchedulers(schedulers)
+    optimizer = ModuleOptimizers(optimizers, modules, scaler)
+    return optimizer, ModuleSchedulers(schedulers, optimizer)
 
 
 def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """L2 norm of the module's gradients; for sharded (DTensor) gradients the full norm over all ranks. A module
-    with no gradients has norm 0 on its own device."""
+    """L2 norm of the module's gradients, on `device` (where the modules compute); for sharded (DTensor) gradients
+    the full norm over all ranks. The local norm moves to `device` before it is reduced: an offloaded module's
+    shards and gradients live on the CPU, its mesh's group on the accelerator. A module with no gradients has
+    norm 0."""
+    from torch.distributed.tensor import DTensor
     from torch.nn.utils import get_total_norm
 
     if not params:
         return torch.zeros((), device=device)
     norm = get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
+    if isinstance(norm, DTensor):
+        local = norm.to_local()
+        if local.device != device:
+            norm = DTensor.from_local(local.to(device, non_blocking=True), norm.device_mesh, norm.placements)
         norm = norm.full_tensor()
-    return norm
+    return norm.to(device, non_blocking=True)
 
 
-def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
-                    global_limit: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Each module's pre-clip gradient norm, and the combined one sqrt(sum of squares). With `global_limit` every
-    module is clipped to it by the combined norm; else each module to its own limit (0: none)."""
+def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float], global_limit: float | None,
+                    device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Each module's pre-clip gradient norm on `device` (default: its first parameter's), and the combined one
+    sqrt(sum of squares). With `global_limit` every module is clipped to it by the combined norm; else each module
+    to its own limit (0: none). An offloaded module's CPU gradients are scaled by a norm on the accelerator: torch
+    copies that one number to the host (its optimizer steps there anyway)."""
     from torch.nn.utils import clip_grads_with_norm_
 
     optimizer.unscale_()  # fp16: true gradients before norms and clipping
     grads = {name: [p for p in params if p.grad is not None] for name, params in optimizer.params.items()}
-    norms = {name: module_grad_norm(params, optimizer.params[name][0].device) for name, params in grads.items()}
+    norms = {name: module_grad_norm(params, device or optimizer.params[name][0].device)
+             for name, params in grads.items()}
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
     for name, params in grads.items():
         limit, norm = (global_limit, total) if global_limit is not None else (limits[name], norms[name])
@@ -96,12 +106,36 @@ def clip_grad_norms(optimizer: "ModuleOptimizers", limits: dict[str, float],
     return norms, total
 
 
+def share_found_inf(scaler, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:
+    """After `unscale_` of every optimizer: the sum of all their found-inf tensors, on the device and over every rank
+    (one scalar all-reduce; torch's DTensor rule reduces only a sharded module's, over one mesh). It becomes each
+    optimizer's, so `scaler.update()` backs off alike on every rank, and is returned (no host read here)."""
+    import torch.distributed as dist
+
+    from .compat import scaler_found_infs
+    from .dist import checkpoint_group, world_size
+
+    found = [scaler_found_infs(scaler, opt) for opt in optimizers]
+    tensors = [t for per_device in found for t in per_device.values()]
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    total = torch.stack([t.to(device, non_blocking=True) for t in tensors]).sum()
+    if world_size() > 1:  # a CPU scalar goes over hf_omni's gloo group (an NCCL-only group takes no CPU tensor)
+        dist.all_reduce(total, group=checkpoint_group() if device.type == "cpu" else None)
+    for per_device in found:
+        per_device.clear()
+        per_device[device] = total.clone()  # one each: update() adds them up in place
+    return total
+
+
 class ModuleOptimizers(torch.optim.Optimizer):
     """Steps every module's optimizer; `params[module]`: the parameters it trains, in module order (what clipping
     reads). Stateful by module name: `state_dict()` is `{module: its optimizer's state}` in DCP's form (keyed by
     parameter name, every rank its own shards of a sharded module), which a checkpoint writes as it is. With fp16
-    (`scaler`: the Accelerator's one GradScaler, shared by every module): `unscale_()` each optimizer once before clipping, step each through the
-    scaler (all skip together on an inf / nan anywhere), then one `update()`.
+    (`scaler`: the Accelerator's one GradScaler, shared by every module): `unscale_()` each optimizer once before
+    clipping; then every optimizer's found-inf is summed on the device and over every rank (one scalar all-reduce)
+    and handed back to each; read once on the host, it decides for all: an inf / nan in any module's gradients on
+    any rank skips every module's step. Then one `update()`.
+    `stepped`: the modules whose optimizer actually stepped in the last `step()` (what the schedulers follow).
 
     A `torch.optim.Optimizer` (its own constructor is not run: the modules' optimizers hold the parameters), so
     that `accelerator.prepare` wraps it as it wraps any optimizer and `accelerator.accumulate()` skips its `step` /
@@ -113,6 +147,14 @@ class ModuleOptimizers(torch.optim.Optimizer):
         self.scaler = scaler
         self.unscaled = False
         self.before_step = None  # an async save in flight: wait until it copied the state this step changes
+        self.stepped: set[str] | None = None  # None until the first step()
+        for name, opt in self.optimizers.items():
+            opt.register_step_post_hook(lambda _opt, _args, _kwargs, name=name: self._ran(name))
+
+    def _ran(self, name: str) -> None:
+        """Step post-hook of module `name`'s optimizer: it stepped (torch's GradScaler did not skip it)."""
+        if self.stepped is not None:
+            self.stepped.add(name)
 
     def unscale_(self) -> None:
         if self.scaler is not None and not self.unscaled:
@@ -138,18 +180,17 @@ class ModuleOptimizers(torch.optim.Optimizer):
             raise ValueError("ModuleOptimizers.step does not take a closure")
         if self.before_step is not None:
             self.before_step()
+        self.stepped = set()
         if self.scaler is None:
             for opt in self.optimizers.values():
                 opt.step()
             return
         self.unscale_()
-        # one scaler for the whole model: an inf / nan in any module's gradients skips every module's step
-        finite = all(torch.isfinite(module_grad_norm([p for p in ps if p.grad is not None], ps[0].device))
-                     for ps in self.params.values())
-        for opt in self.optimizers.values():
-            if finite:
-                self.scaler.step(opt)
-        self.scaler.update()
+        found_inf = share_found_inf(self.scaler, list(self.optimizers.values()))
+        if not found_inf.item():  # fp16's one host read per step (torch's scaler.step reads once per optimizer)
+            for opt in self.optimizers.values():
+                opt.step()  # gradients unscaled already: fused optimizers step as they would outside fp16
+        self.scaler.update()  # every rank and optimizer handed the same found-inf: the scale moves alike
         self.unscaled = False
 
     def zero_grad(self, set_to_none: bool = True):
@@ -199,17 +240,21 @@ class ModuleSchedulers(torch.optim.lr_scheduler.LRScheduler):
     """Steps every module's scheduler; `get_last_lr()` lists the modules' rates in module order. An `LRScheduler`
     (its constructor not run) so that `accelerator.prepare` wraps it like any scheduler."""
 
-    def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]):
+    def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
+                 optimizer: ModuleOptimizers | None = None):
         self.schedulers = dict(schedulers)
+        self.optimizer = optimizer  # its `stepped`: a module whose step was skipped (fp16 overflow) keeps its rate
         self.stepped_lr: dict[str, float] = {}  # the rates the last optimizer step used
         self._step_count = 1  # as torch's constructor leaves it (Accelerate counts skipped micro-steps on it)
 
     def step(self, epoch=None):
         if epoch is not None:
             raise ValueError("ModuleSchedulers.step does not take an epoch")
+        stepped = self.optimizer.stepped if self.optimizer is not None else None
         self.stepped_lr = self.last_lr_by_module()
-        for sched in self.schedulers.values():
-            sched.step()
+        for name, sched in self.schedulers.items():
+            if stepped is None or name in stepped:
+                sched.step()
         self._step_count += 1
 
     def get_lr(self) -> list[float]:

@@ -181,10 +181,7 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
     HF folder `folder`; returns the names it lacks (initialised by the module instead, with a warning, as
     `from_pretrained` does)."""
     materialize(module, device)  # tied parameters stay one parameter
-    for owner in module.modules():  # computed buffers (rotary tables) move; persistent ones are read below
-        for table, attr, buf in own_tensors(owner, parameters=False):
-            if buf.device != device:
-                table[attr] = buf.to(device)
+    move_buffers(module, device)  # computed buffers (rotary tables) move; persistent ones are read below
     missing = read_into(module, folder, module_name=module_name)
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
@@ -201,6 +198,14 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
                        missing, type(module).__name__)
         _initialise(module, missing)
     return missing
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Every buffer of `module` onto `device`, in place of the old tensor (hooks and FSDP state keep the module)."""
+    for owner in module.modules():
+        for table, attr, buf in own_tensors(owner, parameters=False):
+            if buf.device != device:
+                table[attr] = buf.to(device)
 
 
 def _initialise(module: nn.Module, names: list[str]) -> None:

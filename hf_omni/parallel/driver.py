@@ -20,7 +20,7 @@ from ..compat import fsdp_lazy_init_root
 from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
-from ..modules.weights import fill_module
+from ..modules.weights import fill_module, move_buffers
 from .fsdp import MODEL_SCOPE, FsdpStrategy
 from .fsdp_settings import FsdpSettings
 from .mesh import Meshes, mesh_shape
@@ -118,5 +118,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
         slot = model.slots[name]
         offload = slot.args.fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU
         fill_module(slot.module, folder, torch.device("cpu") if offload else device, name)
+        if offload:  # ... and never moves buffers: they stay where compute runs, as after a placed module's wrap
+            move_buffers(slot.module, device)
         fsdp_lazy_init_root(slot.module)
     return prepared
