@@ -65,6 +65,18 @@ def checkpoint_group(timeout_s: float | None = None, thread: str = "main"):
     return made[1]
 
 
+def all_gather_host(rows: list[list[int]], group) -> list[list[list[int]]]:
+    """Every rank's small table of integers (the same shape on every rank), over `group` (hf_omni's gloo side group):
+    built on the host, gathered, and read back as Python ints in one `tolist()`. The one way hf_omni moves per-step
+    metadata (who has which input, shapes, dtypes, errors): no device memory is read on the host."""
+    import torch
+
+    mine = torch.tensor(rows, dtype=torch.int64)
+    everyone = torch.empty((world_size() * mine.shape[0], *mine.shape[1:]), dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    return everyone.view(world_size(), *mine.shape).tolist()
+
+
 def share_failure(error: BaseException | None, what: str, group) -> None:
     """After `what`, which ranks did on their own: all learn whether any failed, and all raise the same
     `RankFailure` naming the first rank that did (instead of some ranks waiting in the next collective)."""

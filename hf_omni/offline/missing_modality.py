@@ -143,16 +143,17 @@ def comm_device(prepared) -> torch.device:
 
 def shared_shapes(module: str, method: str, values: dict, error: Exception | None = None
                   ) -> tuple[dict, int | None, bool]:
-    """One all-gather, of host tensors on hf_omni's gloo side group (no device memory is read): per column, the shape
-    and dtype of the first rank that has a value for it (or None); that rank; and whether every rank has every value.
-    A rank whose inputs are wrong (`error`, or a value that is no tensor of a known dtype) says so in the same
-    all-gather, and every rank then raises the same error, naming the module and that rank."""
+    """One all-gather of host metadata on hf_omni's gloo side group (`dist.all_gather_host`: no device memory is
+    read): per column, the shape and dtype of the first rank that has a value for it (or None); that rank; and
+    whether every rank has every value. A rank whose inputs are wrong (`error`, or a value that is no tensor of a
+    known dtype) says so in the same all-gather, and every rank then raises the same error, naming the module and
+    that rank."""
     import torch.distributed as dist
 
-    from ..dist import checkpoint_group
+    from ..dist import all_gather_host, checkpoint_group
 
     problem = None if error is None else str(error)
-    mine = torch.zeros(len(values) + 1, 3 + MAX_DIMS, dtype=torch.int64)  # the last row: this rank's error flag
+    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(values) + 1)]  # the last row: this rank's error flag
     for i, (column, value) in enumerate(values.items()):
         if problem is not None:
             break
@@ -163,28 +164,24 @@ def shared_shapes(module: str, method: str, values: dict, error: Exception | Non
                        f"dtype in {[str(d) for d in CODES]}, got {getattr(value, 'dtype', type(value).__name__)} "
                        f"{tuple(getattr(value, 'shape', ()))}")
             break
-        mine[i, :3] = torch.tensor([1, CODES.index(value.dtype), value.ndim])
-        mine[i, 3:3 + value.ndim] = torch.tensor(value.shape)
-    mine[-1, 0] = problem is not None
+        mine[i][:3 + value.ndim] = [1, CODES.index(value.dtype), value.ndim, *value.shape]
+    mine[-1][0] = int(problem is not None)
     group = checkpoint_group()
-    everyone = torch.empty(world_size() * (len(values) + 1), 3 + MAX_DIMS, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    everyone = everyone.view(world_size(), len(values) + 1, -1)
-    failed = [r for r in range(world_size()) if everyone[r, -1, 0] == 1]
+    everyone = all_gather_host(mine, group)  # [rank][row][field], Python ints
+    failed = [r for r, rows in enumerate(everyone) if rows[-1][0] == 1]
     if failed:  # every rank knows: the messages follow, on every rank alike
         messages = [None] * world_size()
         dist.all_gather_object(messages, problem, group=group)
         raise ValueError(f"{messages[failed[0]]} (on rank {failed[0]}; every rank raises this)")
-    everyone = everyone[:, :-1]
-    have = everyone[:, :, 0] == 1
-    ranks = [r for r in range(world_size()) if have[r].all()]
+    have = [[row[0] == 1 for row in rows[:-1]] for rows in everyone]
     donors = {column: None for column in values}
     for i, column in enumerate(values):
-        first = next((r for r in range(world_size()) if have[r, i]), None)
+        first = next((r for r, has in enumerate(have) if has[i]), None)
         if first is not None:
-            row = everyone[first, i]
-            donors[column] = (tuple(row[3:3 + row[2]].tolist()), CODES[row[1]])
-    return donors, (ranks[0] if ranks else None), bool(have.all())
+            row = everyone[first][i]
+            donors[column] = (tuple(row[3:3 + row[2]]), CODES[row[1]])
+    ranks = [r for r, has in enumerate(have) if all(has)]
+    return donors, (ranks[0] if ranks else None), all(all(has) for has in have)
 
 
 def broadcast_row(donors: dict, donor_rank: int | None, inputs: dict, prepared) -> dict | None:

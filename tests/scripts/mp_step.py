@@ -1,0 +1,125 @@
+"""The training step at 2 ranks (`accelerate launch --multi_gpu --num_processes 2`, gloo), one launch:
+
+- `online`, `offline`: OmniTrainer over the LLaVA-style captioner whose ranks lack an image at some steps
+  (`LAYOUT`), vision trained sharded or served from its offline cache, global clipping. From the end of step 1 to
+  the end of training every host read of device memory made by hf_omni's own frames is recorded
+  (`hf_omni.testing.host_reads`); the test wants none.
+- `fp16`: a loop over OmniPlugin with torch's CPU GradScaler; at step 2 an inf is put into one gradient of the
+  replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
+  rank must skip, the scale back off alike, no scheduler step. The same counter must see fp16's one host read per
+  step (hf_omni.optim): the positive control of the counter.
+
+Usage: mp_step.py OUT_DIR -> OUT_DIR/<scenario>-rank<r>.json"""
+
+import json
+import os
+import sys
+
+import helpers
+import mixed_modality
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from transformers import TrainerCallback
+
+import hf_omni.offline.missing_modality as missing_modality
+from hf_omni import OmniPlugin, OmniTrainer
+from hf_omni.testing.host_reads import HostReads
+from launching import end_distributed
+
+# 2 ranks x 2 samples (rank r of step k: samples 4k + 2r, 4k + 2r + 1): which ranks have an image at each step
+LAYOUT = [[True, True], [True, False], [False, True], [False, False], [True, True], [False, True]]
+HAS_IMAGE = [image for step in LAYOUT for image in step for _ in range(2)]
+MODULES = {"vision": {"parallel": "fsdp", "learning_rate": 1e-3}, "projector": {"parallel": "ddp", "learning_rate": 3e-3},
+           "llm": {"parallel": "fsdp", "learning_rate": 1e-3}}
+OFFLINE = dict(MODULES, vision={"trainable": False})
+
+
+class CountHostReads(TrainerCallback):
+    """Armed from the end of step 1 (lazy initialisation done) to the end of training; logging runs inside but is
+    excluded by frame (`host_reads.EXCLUDED`)."""
+
+    def __init__(self):
+        self.mode = HostReads()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.mode.__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.mode.__exit__(None, None, None)
+
+
+def dummies_run() -> list:
+    calls = []
+    original = missing_modality.dummy_rows
+
+    def counted(model, spec, fn, bound):
+        calls.append(spec.module)
+        return original(model, spec, fn, bound)
+
+    missing_modality.dummy_rows = counted
+    return calls
+
+
+def train(out_dir: str, name: str, modules: dict, **extra) -> dict:
+    model = mixed_modality.mixed_model()
+    args = helpers.make_args(os.path.join(out_dir, name), modules=modules, per_device_train_batch_size=2,
+                             max_steps=len(LAYOUT), logging_steps=3, grad_clip_scope="global", max_grad_norm=0.05,
+                             **extra)
+    counter = CountHostReads()
+    trainer = OmniTrainer(model=model, args=args, train_dataset=mixed_modality.MixedCaptions(model, HAS_IMAGE),
+                          data_collator=mixed_modality.collate, callbacks=[counter])
+    trainer.train()
+    return {"host_reads": counter.mode.found, "other_reads": counter.mode.others, "steps": trainer.state.global_step,
+            "losses": helpers.step_losses(trainer)}
+
+
+def fp16(out_dir: str) -> dict:
+    model = helpers.tiny_model()
+    plugin = OmniPlugin(modules={"vision": {"trainable": False}, "projector": {"parallel": "ddp"},
+                                 "llm": {"parallel": "fsdp"}}, defaults={"learning_rate": 1e-3})
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, num_training_steps=4)
+    data = helpers.tiny_data(model, 16)
+    rank = dist.get_rank()
+    facts = []
+    with HostReads() as reads:
+        for step in range(3):
+            batch = {k: torch.stack([data[4 * step + 2 * rank + i][k] for i in range(2)]) for k in data[0]}
+            before = {n: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
+                      for n, p in model.named_parameters() if p.requires_grad}
+            epochs = {n: s.last_epoch for n, s in scheduler.schedulers.items()}
+            accelerator.scaler.scale(model(**batch).loss).backward()
+            if step == 1 and rank == 1:
+                model.projector.layers[0].weight.grad.view(-1)[0] = float("inf")
+            plugin.clip_grad_norm_()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            changed = sorted(n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(
+                p.detach().to_local() if hasattr(p, "to_local") else p.detach(), before[n]))
+            facts.append({"changed": changed, "scale": accelerator.scaler.get_scale(),
+                          "stepped": sorted(optimizer.stepped),
+                          "schedulers_stepped": sorted(n for n, s in scheduler.schedulers.items()
+                                                       if s.last_epoch != epochs[n])})
+    return {"steps": facts, "host_reads": reads.found}
+
+
+def main(out_dir: str):
+    dummies = dummies_run()
+    results = {"online": train(out_dir, "online", MODULES)}  # its arguments make the process group
+    rank = dist.get_rank()
+    results["online"]["dummies"] = len(dummies)
+    results["offline"] = train(out_dir, "offline", OFFLINE, offline_modules=["vision"])
+    results["fp16"] = fp16(out_dir)
+    for name, facts in results.items():
+        with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
+            json.dump(facts, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    end_distributed()

@@ -1,0 +1,43 @@
+"""The training step at 2 gloo ranks, one launch (tests/scripts/mp_step.py): no host read of device memory from
+hf_omni's own frames outside logging (missing modality, offline module, global clipping), and fp16's overflow on
+one rank alone skipping every module on every rank."""
+
+import json
+
+import pytest
+from launching import launch
+
+SCENARIOS = ("online", "offline", "fp16")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step")
+    launch("mp_step.py", str(out), processes=2)
+    return {name: [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in (0, 1)] for name in SCENARIOS}
+
+
+@pytest.mark.parametrize("scenario", ["online", "offline"])
+def test_no_host_read_from_hf_omni_in_steps_with_a_missing_modality(results, scenario):
+    for rank, facts in enumerate(results[scenario]):
+        assert facts["steps"] == 6, (rank, facts)
+        assert facts["host_reads"] == [], (rank, facts["host_reads"])
+        assert facts["other_reads"] >= 5, facts  # armed: it saw Trainer's own per-step read (logging_nan_inf_filter)
+    if scenario == "online":  # the exchange ran dummies: ranks lacked an image while another had one
+        assert sum(facts["dummies"] for facts in results["online"]) >= 3
+
+
+def test_the_counter_sees_fp16s_one_host_read_per_step(results):
+    """The positive control: the same counter, in the same processes, finds hf_omni's one `.item()` per fp16 step."""
+    for facts in results["fp16"]:
+        assert [where.split(" ")[0].rsplit(":", 1)[0] for _, where in facts["host_reads"]] == ["hf_omni/optim.py"] * 3
+
+
+def test_an_overflow_on_one_rank_alone_skips_every_module_on_every_rank(results):
+    trained = {"projector", "llm"}
+    for rank, facts in enumerate(results["fp16"]):
+        first, poisoned, after = facts["steps"]
+        assert {n.split(".")[0] for n in first["changed"]} == trained and first["stepped"] == sorted(trained)
+        assert poisoned["changed"] == [] and poisoned["stepped"] == [] and poisoned["schedulers_stepped"] == [], rank
+        assert poisoned["scale"] == first["scale"] / 2, rank
+        assert {n.split(".")[0] for n in after["changed"]} == trained and after["schedulers_stepped"] == sorted(trained)
