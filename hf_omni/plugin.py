@@ -29,13 +29,16 @@ from .checkpoint.resume import resume_weights_folders
 from .dist import checkpoint_group, has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
+from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
-from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers, clip_grad_norms
+from .gradients import clip_grad_norms
+from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .parallel.fsdp import MODEL_SCOPE
 from .parallel.fsdp_settings import FsdpSettings
+from .profile import ModuleProfile
 
 
 class OmniPlugin:
@@ -45,7 +48,7 @@ class OmniPlugin:
     of the slots: `module_args[name]` (resolved settings), `trainable`, `wrapped[name]` ("fsdp" | "ddp" | "none" |
     "offline"), `fsdp_plugins[name]` (one Accelerate `FullyShardedDataParallelPlugin` per FSDP-wrapped module;
     under `fsdp_scope: model` the one plugin of the composed model, keyed `"(model)"`), `meshes[name]`; and
-    `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's).
+    `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's), `profile`.
     """
 
     def __init__(self, modules: dict | None = None, defaults: dict | None = None, *, output_dir: str | None = None,
@@ -71,6 +74,7 @@ class OmniPlugin:
         self.prepared: Prepared | None = None
         self.checkpointer: ModuleCheckpointer | None = None
         self.scaler = None
+        self.profile = ModuleProfile({}, "cpu")  # `time/<module>` (profile.py): hooked when optimizers are built
 
     @classmethod
     def from_args(cls, args: OmniTrainingArguments) -> "OmniPlugin":
@@ -155,6 +159,7 @@ class OmniPlugin:
             raise RuntimeError("OmniPlugin.prepare: the plugin prepared another model's modules")
         self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
         self.build_optimizers(num_training_steps)
+        log_bytes_table(self.module_bytes())  # once, on rank 0
         model.train()
         return model, self.optimizer, self.scheduler
 
@@ -181,6 +186,11 @@ class OmniPlugin:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.args, num_training_steps, self.scaler)
         self.optimizer.before_step = self.checkpointer.fence
+        self.profile.close()  # a second run: fresh hooks, counting the new optimizers' steps
+        self.profile = ModuleProfile(self.model.slots, self.prepared.device, self.optimizer.optimizers.values())
+
+    def module_bytes(self) -> dict[str, dict]:  # parameters, gradients, optimizer state, masters (module_bytes.py)
+        return module_bytes(self._slots(), self.optimizer)
 
     # -- the training step ----------------------------------------------------------------------
     def no_sync(self):
@@ -192,15 +202,16 @@ class OmniPlugin:
         combined pre-clip norm sqrt(sum of the modules' squared norms). DTensor-aware."""
         limits = {name: self.module_args[name].max_grad_norm for name in self.trainable}
         global_limit = (self.args.max_grad_norm or 0.0) if self.args.grad_clip_scope == "global" else None
-        self.grad_norms, total = clip_grad_norms(self.optimizer, limits, global_limit)
+        self.grad_norms, total = clip_grad_norms(self.optimizer, limits, global_limit, self.prepared.device)
         return total
 
     def log_metrics(self) -> dict[str, float]:
-        """`grad_norm/<module>` (pre-clip) and `lr/<module>` (the rate it used) of the last optimizer step."""
+        """The last step's `grad_norm/<module>` (pre-clip) and `lr/<module>`, `time/<module>`: logging steps only."""
         logs = {f"grad_norm/{name}": float(norm) for name, norm in self.grad_norms.items()}
         if self.scheduler is not None:
             lrs = self.scheduler.stepped_lr or self.scheduler.last_lr_by_module()
             logs.update({f"lr/{name}": lr for name, lr in lrs.items()})
+        logs.update(self.profile.logs())
         return logs
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
@@ -222,6 +233,7 @@ class OmniPlugin:
 
     def close(self) -> None:
         """The end of training: the save in flight finished and marked, async staging buffers released."""
+        self.profile.close()  # its hooks removed
         if self.checkpointer is not None:
             self.checkpointer.close()
 

@@ -1,4 +1,4 @@
-"""The private third-party internals hf_omni relies on (hf_omni/compat.py) still exist and behave as it expects;
+"""The private third-party internals hf_omni relies on (hf_omni/compat/) still exist and behave as it expects;
 and the package's own layout rules (no underscore imports across files, no silent excepts, small files)."""
 
 import ast

@@ -1,0 +1,67 @@
+"""torch internals hf_omni relies on, each behind a named function (indexed in `hf_omni.compat`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import MissingInternalError, resolve
+
+
+# -- torch ----------------------------------------------------------------------------------------------
+def own_tensors(module: nn.Module, parameters: bool = True, buffers: bool = True) -> list[tuple[dict, str, object]]:
+    """The parameters and buffers a module holds itself, each with its table (`_parameters` / `_buffers`)."""
+    tables = ((module._parameters,) if parameters else ()) + ((module._buffers,) if buffers else ())
+    return [(table, attr, tensor) for table in tables for attr, tensor in list(table.items()) if tensor is not None]
+
+
+def fsdp_lazy_init_root(module: nn.Module) -> None:
+    """Initialise a `fully_shard`-ed module's FSDP state from its root now (a unit called first is no root)."""
+    resolve("torch.distributed.fsdp.FSDPModule._get_fsdp_state")
+    module._get_fsdp_state()._lazy_init()
+
+
+def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
+    """torch's composable, in-place `replicate` (DDP without a wrapper object), initialised now: parameters are
+    broadcast from rank 0 before any method of the module runs."""
+    replicate = resolve("torch.distributed._composable.replicate.replicate")
+    kwargs = dict(ddp_kwargs, **({"device_id": device} if device.type != "cpu" else {}))
+    replicate(module, **kwargs)
+    replicate.state(module).lazy_init()
+    return module
+
+
+def queue_backward_callback(callback) -> None:
+    """Run `callback` once the current backward pass has finished (autograd's engine queue)."""
+    resolve("torch.autograd.Variable._execution_engine").queue_callback(callback)
+
+
+def scaler_found_infs(scaler, optimizer) -> dict:
+    """The found-inf tensors (device -> tensor) that `GradScaler.unscale_(optimizer)` recorded and that its `step`
+    and `update` read: the dict itself, so a caller can make every optimizer see the same answer."""
+    resolve("torch.amp.grad_scaler._refresh_per_optimizer_state")
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    if "found_inf_per_device" not in state:
+        raise MissingInternalError("hf_omni relies on torch's GradScaler keeping `found_inf_per_device` per optimizer "
+                                   "in `_per_optimizer_states` after `unscale_`, which the installed torch does not")
+    return state["found_inf_per_device"]
+
+
+def dcp_sharding_info_key() -> str:
+    """The safetensors header field DCP's HuggingFaceStorageReader reads each shard's offsets from."""
+    return resolve("torch.distributed.checkpoint._hf_utils.DCP_SHARDING_INFO_KEY")
+
+
+def dcp_shard_index(plan) -> int:
+    """The number HuggingFaceStorageWriter gives this rank's files (`save_distributed`: one per rank, from 1)."""
+    if "shard_index" not in (plan.storage_data or {}):
+        raise MissingInternalError("hf_omni relies on torch's HuggingFaceStorageWriter putting `shard_index` in each "
+                                   "rank's plan (save_distributed), which the installed torch does not")
+    return plan.storage_data["shard_index"]
+
+
+def in_place_wrapper_classes() -> tuple[type, ...]:
+    """The classes FSDP2 and composable replicate mix into a module's generated subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return (FSDPModule, resolve("torch.distributed._composable.replicate.DDP"))

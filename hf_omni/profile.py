@@ -1,0 +1,234 @@
+"""Per-module time at logging steps: `time/<module>`, the seconds of forward + backward per optimizer step.
+
+Why: choosing `ddp` / `fsdp` / HSDP per module, and finding the module that costs the step, needs each module's
+own time; and it must not cost the training step anything it can avoid. So every step only *records* timing marks
+(on CUDA `torch.cuda.Event(enable_timing=True)` on the current stream; on CPU `HostEvent`, a `time.perf_counter()`
+with the same interface, so the CPU tests run the same code), and only `logs()` — called at logging steps — reads
+them: one `synchronize()` of the last mark, then `elapsed_time` of each pair. Nothing here reads a device value on
+any other step (no `.item()`, no `float(tensor)`, no `synchronize`).
+
+Where the marks are, per call of a module (`module(...)`; a method that calls a submodule directly, such as
+`llm.get_input_embeddings()(ids)`, is outside it):
+
+- forward: a forward pre-hook run before any other (before FSDP2's all-gather, replicate's buffer broadcast) to a
+  forward hook run after all others (after FSDP2's reshard). Calls while no trained module is in training mode
+  (evaluation) are not recorded.
+- backward start: the first gradient reaching any of the call's outputs (`register_multi_grad_hook(mode="any")`,
+  attached before FSDP2's pre-backward hook, so its all-gather for backward counts).
+- backward end: every gradient of the call's inputs that need one computed (`register_multi_grad_hook(mode="all")`
+  on the inputs as given, before FSDP2 / replicate see them: after FSDP2's post-backward has issued its
+  reduce-scatter). A call whose inputs need no gradient (the first trained module on its path, e.g. a tower fed
+  pixels), or none of whose inputs got one, ends with the backward pass (autograd's queued callback): its
+  parameters' gradients are the last computed on its path; a concurrent branch that finishes after it counts too.
+- a module with no gradient through it (frozen, inputs need none): forward only.
+- activation checkpointing: recompute inside a module (transformers' per-layer checkpointing, what
+  `activation_checkpointing` turns on) is part of that module's backward; a forward of a module that runs while its
+  own backward is running (a checkpoint around the whole module, recomputing it) is not recorded again.
+
+Offline modules (on the meta device) are skipped. `close()` removes every hook.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+
+from .compat import queue_backward_callback
+
+
+class HostEvent:
+    """A CUDA event's interface over `time.perf_counter()` (CPU runs: the host clock is the device clock)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        """Milliseconds from this event to `end`, as `torch.cuda.Event.elapsed_time`."""
+        return (end.at - self.at) * 1000.0
+
+
+def event_factory(device: torch.device):
+    """Timing events for `device`: CUDA events, the accelerator's own, or `HostEvent` on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.Event(enable_timing=True)
+    if device.type == "cpu":
+        return HostEvent
+    return lambda: torch.Event(device=device.type, enable_timing=True)
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a module's inputs or outputs (tensors, tuples / lists, dicts and `ModelOutput`s)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def needing_grad(value) -> list[torch.Tensor]:
+    return [t for t in tensors_in(value) if t.requires_grad]
+
+
+class Call:
+    """One call of a module: its forward pair and, once its backward ran, its backward pair."""
+
+    __slots__ = ("forward", "backward_start", "backward_end")
+
+    def __init__(self, start):
+        self.forward, self.backward_start, self.backward_end = [start, None], None, None
+
+
+class ModuleTimer:
+    """The hooks on one module and its calls since the last read."""
+
+    def __init__(self, name: str, module: torch.nn.Module, profile: "ModuleProfile"):
+        self.name, self.profile = name, profile
+        self.calls: list[Call] = []
+        self.open: list[Call | None] = []  # forwards in progress (None: one not recorded)
+        self.in_backward = 0  # this module's backward passes running now (a forward meanwhile is a recompute)
+        self.handles = [
+            module.register_forward_pre_hook(self.before_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self.watch_outputs, prepend=True),
+            module.register_forward_hook(self.after_forward, always_call=True),
+        ]
+
+    def before_forward(self, module, args, kwargs) -> None:
+        if self.in_backward or not self.profile.training():
+            self.open.append(None)
+            return
+        call = Call(self.profile.mark())
+        self.open.append(call)
+        if torch.is_grad_enabled():
+            inputs = needing_grad((args, kwargs))
+            if inputs:
+                register_multi_grad_hook(inputs, lambda grads, call=call: self.backward_ended(call), mode="all")
+
+    def watch_outputs(self, module, args, output) -> None:
+        call = self.open[-1] if self.open else None
+        outputs = needing_grad(output) if call is not None else []
+        if outputs:
+            register_multi_grad_hook(outputs, lambda grad, call=call: self.backward_started(call), mode="any")
+
+    def after_forward(self, module, args, output) -> None:
+        call = self.open.pop() if self.open else None
+        if call is not None:
+            call.forward[1] = self.profile.mark()
+            self.calls.append(call)
+
+    def backward_started(self, call: Call) -> None:
+        if call.backward_start is not None:
+            return
+        call.backward_start = self.profile.mark()
+        self.in_backward += 1
+        # the end of the pass: the end where no input needs a gradient (else the inputs' hook comes first)
+        queue_backward_callback(lambda: self.backward_ended(call))
+
+    def backward_ended(self, call: Call) -> None:
+        if call.backward_start is None or call.backward_end is not None:
+            return
+        call.backward_end = self.profile.mark()
+        self.in_backward = max(0, self.in_backward - 1)
+
+    def pairs(self) -> list[tuple]:
+        """The (start, end) marks of every finished forward and backward since the last read."""
+        out = [tuple(c.forward) for c in self.calls]
+        return out + [(c.backward_start, c.backward_end) for c in self.calls if c.backward_end is not None]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __deepcopy__(self, memo) -> "ModuleTimer":
+        """A copy of the module (an EMA, a reference model) is not timed: its copied hooks get an inert timer."""
+        inert = object.__new__(ModuleTimer)
+        inert.name, inert.profile, inert.calls, inert.open, inert.in_backward, inert.handles = (
+            self.name, NOT_TRAINING, [], [], 0, [])
+        return inert
+
+
+class NotTraining:
+    """The profile of a copied module's hooks: never training, so nothing is recorded."""
+
+    @staticmethod
+    def training() -> bool:
+        return False
+
+
+NOT_TRAINING = NotTraining()
+
+
+class ModuleProfile:
+    """Timing hooks on every live module of `slots` (name -> `ModuleSlot`); `logs()` at logging steps.
+
+    `count_steps(optimizers)` counts optimizer steps (a step post-hook on one of the modules' optimizers, which
+    all step together); `logs()` divides each module's time since the last call by them."""
+
+    def __init__(self, slots: dict, device, optimizers=None):
+        self.new_event = event_factory(device)
+        self.last = None  # the last mark recorded: what `logs()` synchronises on
+        self.steps = 0
+        self.step_handle = None
+        self.trained = [slot.module for slot in slots.values() if slot.trains and slot.kind != "offline"]
+        self.timers = {name: ModuleTimer(name, slot.module, self) for name, slot in slots.items()
+                       if slot.kind != "offline" and not any(p.is_meta for p in slot.module.parameters())}
+        if optimizers is not None:
+            self.count_steps(optimizers)
+
+    def training(self) -> bool:
+        """Some trained module is in training mode (Trainer's `model.eval()` for evaluation turns them all off)."""
+        return any(module.training for module in self.trained)
+
+    def mark(self):
+        event = self.new_event()
+        event.record()
+        self.last = event
+        return event
+
+    def count_steps(self, optimizers) -> None:
+        """Count the optimizer steps of `optimizers` (the modules' optimizers; again after they are rebuilt)."""
+        if self.step_handle is not None:
+            self.step_handle.remove()
+        first = next(iter(optimizers), None)
+        self.step_handle = first.register_step_post_hook(self.stepped) if first is not None else None
+
+    def stepped(self, *_) -> None:
+        self.steps += 1
+        for timer in self.timers.values():  # every backward of the step is over
+            timer.in_backward = 0
+
+    def logs(self) -> dict[str, float]:
+        """`{"time/<module>": mean seconds of forward + backward per optimizer step}` since the last call, then
+        reset; `{}` before any optimizer step. The one place that reads the marks."""
+        if not self.steps:
+            return {}
+        if self.last is not None:
+            self.last.synchronize()
+        out = {}
+        for name, timer in self.timers.items():
+            milliseconds = sum(start.elapsed_time(end) for start, end in timer.pairs())
+            out[f"time/{name}"] = milliseconds / 1000.0 / self.steps
+            timer.calls = []
+        self.steps, self.last = 0, None
+        return out
+
+    def close(self) -> None:
+        """Every hook removed (the end of training)."""
+        for timer in self.timers.values():
+            timer.close()
+        if self.step_handle is not None:
+            self.step_handle.remove()
+        self.timers, self.step_handle = {}, None
