@@ -7,7 +7,7 @@ import json
 import pytest
 from launching import launch
 
-SCENARIOS = ("online", "offline", "fp16")
+SCENARIOS = ("online", "offline", "offload", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +41,15 @@ def test_an_overflow_on_one_rank_alone_skips_every_module_on_every_rank(results)
         assert poisoned["changed"] == [] and poisoned["stepped"] == [] and poisoned["schedulers_stepped"] == [], rank
         assert poisoned["scale"] == first["scale"] / 2, rank
         assert {n.split(".")[0] for n in after["changed"]} == trained and after["schedulers_stepped"] == sorted(trained)
+
+
+def test_offloaded_module_clips_with_the_resident_ones_and_trains_the_same(results):
+    """cpu_offload (CPU: unpinned host memory), global clipping across an offloaded and a resident module, built
+    and with empty_init: the resident run's losses, norms and weights; the shards on the CPU, buffers on the compute
+    device."""
+    for facts in results["offload"]:
+        assert facts["resident"]["norms"] and max(n[0] for n in facts["resident"]["norms"]) > 0.05  # clipping active
+        for name in ("offloaded", "offloaded_empty_init"):
+            run = facts[name]
+            assert run["loss_diff"] <= 1e-6 and run["norm_diff"] <= 1e-6 and run["weight_diff"] <= 1e-6, (name, run)
+            assert run["shards"] == ["cpu"] and run["buffers"] == [run["compute"]], (name, run)

@@ -132,12 +132,14 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
-        FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+        CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
     )
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward,
-                  offload_policy=plugin.cpu_offload or OffloadPolicy(),
+    offload = plugin.cpu_offload or OffloadPolicy()
+    if isinstance(offload, CPUOffloadPolicy) and device.type == "cpu":  # pinned memory needs an accelerator
+        offload = CPUOffloadPolicy(pin_memory=False)
+    kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=offload,
                   mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
     if plugin.ignored_modules is not None:
         kwargs["ignored_params"] = fsdp_ignored_params(plugin.ignored_modules, module, device)

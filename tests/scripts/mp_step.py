@@ -4,6 +4,9 @@
   (`LAYOUT`), vision trained sharded or served from its offline cache, global clipping. From the end of step 1 to
   the end of training every host read of device memory made by hf_omni's own frames is recorded
   (`hf_omni.testing.host_reads`); the test wants none.
+- `offload`: the LLM sharded with `cpu_offload` (built, and with `empty_init`) beside a replicated projector, global
+  clipping: the same losses, norms and weights as with the LLM resident; shards on the CPU, buffers where compute
+  runs.
 - `fp16`: a loop over OmniPlugin with torch's CPU GradScaler; at step 2 an inf is put into one gradient of the
   replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
   rank must skip, the scale back off alike, no scheduler step. The same counter must see fp16's one host read per
@@ -33,6 +36,9 @@ HAS_IMAGE = [image for step in LAYOUT for image in step for _ in range(2)]
 MODULES = {"vision": {"parallel": "fsdp", "learning_rate": 1e-3}, "projector": {"parallel": "ddp", "learning_rate": 3e-3},
            "llm": {"parallel": "fsdp", "learning_rate": 1e-3}}
 OFFLINE = dict(MODULES, vision={"trainable": False})
+RESIDENT = {"vision": {"trainable": False}, "projector": {"parallel": "ddp", "learning_rate": 3e-3},
+            "llm": {"parallel": "fsdp", "learning_rate": 1e-3}}
+OFFLOADED = dict(RESIDENT, llm={**RESIDENT["llm"], "fsdp_plugin": {"cpu_offload": True}})
 
 
 class CountHostReads(TrainerCallback):
@@ -75,6 +81,32 @@ def train(out_dir: str, name: str, modules: dict, **extra) -> dict:
             "losses": helpers.step_losses(trainer)}
 
 
+def offload(out_dir: str) -> dict:
+    os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
+    runs, facts = {}, {}
+    for name, build, modules in (("resident", helpers.tiny_model, RESIDENT), ("offloaded", helpers.tiny_model, OFFLOADED),
+                                 ("offloaded_empty_init", helpers.empty_init_model, OFFLOADED)):
+        model = build()
+        args = helpers.make_args(os.path.join(out_dir, name), modules=modules, per_device_train_batch_size=4,
+                                 max_steps=3, grad_clip_scope="global", max_grad_norm=0.05)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
+        trainer.train()
+        norms = [[e["grad_norm"], e["grad_norm/llm"], e["grad_norm/projector"]] for e in trainer.state.log_history
+                 if "grad_norm" in e]
+        runs[name] = (helpers.step_losses(trainer), norms, helpers.full_state(model))
+        facts[name] = {"shards": sorted({p.to_local().device.type for p in model.llm.parameters()}),
+                       "buffers": sorted({b.device.type for b in model.llm.buffers()}),
+                       "compute": trainer.args.device.type, "norms": norms}
+    losses, norms, state = runs["resident"]
+    for name in ("offloaded", "offloaded_empty_init"):
+        other = runs[name]
+        facts[name]["loss_diff"] = max(abs(a - b) for a, b in zip(losses, other[0]))
+        facts[name]["norm_diff"] = max(abs(a - b) for x, y in zip(norms, other[1]) for a, b in zip(x, y))
+        facts[name]["weight_diff"] = max((state[k] - other[2][k]).abs().max().item() for k in state
+                                         if state[k].is_floating_point())
+    return facts
+
+
 def fp16(out_dir: str) -> dict:
     model = helpers.tiny_model()
     plugin = OmniPlugin(modules={"vision": {"trainable": False}, "projector": {"parallel": "ddp"},
@@ -113,6 +145,7 @@ def main(out_dir: str):
     rank = dist.get_rank()
     results["online"]["dummies"] = len(dummies)
     results["offline"] = train(out_dir, "offline", OFFLINE, offline_modules=["vision"])
+    results["offload"] = offload(out_dir)
     results["fp16"] = fp16(out_dir)
     for name, facts in results.items():
         with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
