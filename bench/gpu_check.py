@@ -1,50 +1,96 @@
-"""CUDA / NCCL check of per-module FSDP2 with bf16 mixed precision, and of Trainer's fp16 with one GradScaler
-shared by every module's optimizer (run it whenever a GPU is at hand).
+"""The GPU checklist: ordered checks of what only a CUDA / NCCL machine proves, one PASS / FAIL line each.
 
-    torchrun --nproc_per_node 1 bench/gpu_check.py          # a process group of world size 1: modules get wrapped
+    torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-7 (world 1: modules wrapped)
+    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 9, 10
+    torchrun --nproc_per_node 4 bench/gpu_check.py --only hsdp    # HSDP needs 4 ranks;  --list: the checks, not run
 
-The demo model trains a few steps with the LLM sharded by its own FSDP2 plugin (bf16 parameters, fp32
-reductions), the projector replicated and the vision encoder frozen; the same model and data run through a plain
-fp32 PyTorch loop on the CPU. Losses must agree within bf16 tolerance. Without CUDA it runs the same on CPU/gloo
-(say so in your note: that is not the CUDA check), and skips the fp16 run (fp16 is refused on CPU). Exit status 1
-when the losses disagree.
+A line: status, check, seconds, its figure. `PASS` / `FAIL` on CUDA; `PASS (cpu)` / `FAIL (cpu)` when it ran on
+CPU / gloo (the same code, not the CUDA proof); `NEEDS DEVICE` when it needs CUDA or more ranks (or found so by
+running: torch refuses CPU offload without an accelerator), and why. A check that raises is a FAIL with the
+error's first line (its traceback on stderr) and the rest still run; a check past 4x its time budget (20x on
+CPU) is called hung and the script exits 1. Last line: `N passed, M failed, K need a device`; exit status 1 when
+any check failed. The 1-GPU list takes under 8 minutes. Every check trains the demo (`hf_omni.testing.digits`)
+a few steps, each rank its share of a global batch of 32 (a 2-rank run sees the data one process does). The
+registry, the rank agreement, the watchdog and the summary are bench/checklist.py.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
+import functools
+import gc
+import itertools
+import math
 import shutil
-import sys
+import statistics
+import tempfile
 import time
 
 import torch
+from checklist import CUDA, RANK, WORLD, check, gloo, main  # bench/checklist.py: the registry and the runner
+from transformers import PrinterCallback, TrainerCallback, default_data_collator
 
-from hf_omni import OmniTrainer, OmniTrainingArguments
-from hf_omni.testing.digits import build_model, load_splits
+from hf_omni import OmniModel, OmniTrainer, OmniTrainingArguments, offline_encoder
+from hf_omni.testing.digits import Captioner, build_model, load_splits
 
-STEPS, BATCH, TOLERANCE = 12, 32, 0.03
-MODULES = {
+ROOT, STEPS, BATCH, TOLERANCE = "/tmp/hf_omni_gpu_check", 12, 32, 0.03
+FSDP_BF16 = {  # the LLM sharded, bf16 compute, fp32 reductions; master_dtype auto: fp32 shards
     "vision": {"trainable": False},
     "projector": {"learning_rate": 3e-3},
     "llm": {"parallel": "fsdp", "learning_rate": 1e-3,
             "fsdp_plugin": {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}},
 }
+FP32 = {"vision": {"trainable": False}, "projector": {"parallel": "ddp", "learning_rate": 3e-3},
+        "llm": {"parallel": "fsdp", "learning_rate": 1e-3}}
 
 
-def reference_losses(model, dataset) -> list[float]:
-    """fp32 on the CPU: AdamW per trainable module, the same constant learning rates, clipping at 1.0."""
+# -- the demo, trained -----------------------------------------------------------------------------------------
+@functools.cache
+def train_set():
+    return load_splits(build_model().processors["llm"])[0]
+
+
+def trainer_for(model, modules: dict, steps: int, name: str, callbacks=(), run=True, resume=None, **extra):
+    """An OmniTrainer over the demo data (trained unless `run=False`); `extra`: OmniTrainingArguments fields."""
+    settings = {"output_dir": f"{ROOT}/{name}", "save_strategy": "no", "logging_steps": 1, **extra}
+    collator = settings.pop("data_collator", None)
+    args = OmniTrainingArguments(
+        max_steps=steps, per_device_train_batch_size=BATCH // WORLD, lr_scheduler_type="constant",
+        optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not CUDA, report_to="none",
+        disable_tqdm=True, modules=modules, **settings)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=train_set(), callbacks=list(callbacks),
+                          **({"data_collator": collator} if collator else {}))
+    trainer.remove_callback(PrinterCallback)  # the check's line is the output
+    if run:
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def trained_tensors(model) -> dict[str, torch.Tensor]:
+    return {f"{name}.{key}": local(p).detach().clone() for name, module in model.omni_modules().items()
+            for key, p in module.named_parameters() if p.requires_grad}
+
+
+def reference_losses(model) -> list[float]:
+    """fp32 on the CPU, one process: AdamW per trainable module, the same constant rates, clipping at 1.0."""
     model = model.cpu().float()
     model.vision.requires_grad_(False)
     model.vision.eval()
-    optimizers = {n: torch.optim.AdamW(getattr(model, n).parameters(), lr=MODULES[n]["learning_rate"])
+    optimizers = {n: torch.optim.AdamW(getattr(model, n).parameters(), lr=FSDP_BF16[n]["learning_rate"])
                   for n in ("projector", "llm")}
     losses = []
     for step in range(STEPS):
-        items = [dataset[i] for i in range(step * BATCH, (step + 1) * BATCH)]
-        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-        loss = model(**batch).loss
+        items = [train_set()[i] for i in range(step * BATCH, (step + 1) * BATCH)]
+        loss = model(**{k: torch.stack([it[k] for it in items]) for k in items[0]}).loss
         loss.backward()
         for name, opt in optimizers.items():
             torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), 1.0)
@@ -54,73 +100,296 @@ def reference_losses(model, dataset) -> list[float]:
     return losses
 
 
-def train(model, train_set, cuda: bool, modules: dict, **extra):
-    settings = dict(output_dir="/tmp/hf_omni_gpu_check", save_strategy="no")
-    settings.update(extra)
-    args = OmniTrainingArguments(
-        max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1, lr_scheduler_type="constant",
-        optim="adamw_torch", train_sampling_strategy="sequential", use_cpu=not cuda, report_to="none",
-        disable_tqdm=True, modules=modules, **settings)
-    trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
-    start = time.perf_counter()
-    trainer.train()
-    return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], time.perf_counter() - start
+class MaybeImages(Captioner):
+    """The demo's forward for batches without images: the entry point runs on every rank (0 rows where the batch
+    has none: hf_omni's missing-modality exchange), and so does the projector, whose 0 rows join the loss."""
+
+    def forward(self, input_ids, pixel_values=None, image_features=None, labels=None, **kw):
+        prefix = self.projector(self.encode_image(pixel_values))
+        embeds = self.llm.get_input_embeddings()(input_ids)
+        if len(prefix):
+            embeds = torch.cat([prefix, embeds], dim=1)
+            labels = torch.cat([labels.new_full(prefix.shape[:2], -100), labels], dim=1)
+        out = self.llm(inputs_embeds=embeds, labels=labels, **kw)
+        out.loss = out.loss + prefix.sum()  # 0 where there are no images: the projector still reduces there
+        return out
 
 
-def report(title: str, losses: list[float], reference: list[float]) -> bool:
-    print(f"| step | loss ({title}) | loss (CPU fp32 loop) | rel. diff |")
-    print("|---|---|---|---|")
-    worst = 0.0
-    for step, (got, ref) in enumerate(zip(losses, reference), 1):
-        rel = abs(got - ref) / abs(ref)
-        worst = max(worst, rel)
-        print(f"| {step} | {got:.4f} | {ref:.4f} | {rel:.4f} |")
-    ok = worst <= TOLERANCE and len(losses) == STEPS
-    print(f"{'PASS' if ok else 'FAIL'} {title}: max relative difference {worst:.4f} (tolerance {TOLERANCE})\n")
-    return ok
+def images_missing_on_rank_1():
+    """A collator dropping `pixel_values` from every other batch of rank 1 (at 2 ranks and more)."""
+    calls = itertools.count()
+
+    def collate(items):
+        batch = default_data_collator(items)
+        if WORLD > 1 and RANK == 1 and next(calls) % 2:
+            batch.pop("pixel_values")
+        return batch
+    return collate
 
 
-def main():
-    cuda = torch.cuda.is_available()
+def demo_folder() -> str:
+    """The demo's files (for `empty_init`): under a process group rank 0 writes them and every rank waits."""
+    import torch.distributed as dist
+
+    folder = f"{ROOT}/demo_model" if dist.is_initialized() else tempfile.mkdtemp(prefix="hf_omni_gpu_check_")
+    build_model().save_pretrained(folder)  # under a process group: written by rank 0 only
+    if dist.is_initialized():
+        dist.barrier(group=gloo())
+    return folder
+
+
+# -- the checks, in order --------------------------------------------------------------------------------------
+@check(40, "the same code under gloo; bf16 compute on CPU kernels")
+def fsdp_bf16_masters():
     model = build_model()
-    train_set, _ = load_splits(model.processors["llm"])
-    reference = reference_losses(copy.deepcopy(model), train_set)
-    fp16_model = copy.deepcopy(model)
-    # async checkpoints under the training backend (NCCL on CUDA): their DCP traffic runs on hf_omni's gloo groups
-    run_dir = "/tmp/hf_omni_gpu_check/async"
-    if os.environ.get("RANK", "0") == "0":  # other ranks write nothing before the first save
-        shutil.rmtree(run_dir, ignore_errors=True)
-    trainer, losses, seconds = train(model, train_set, cuda, MODULES, output_dir=run_dir, save_strategy="steps",
-                                     save_steps=STEPS // 2, save_async=True)
-    from hf_omni.checkpoint.files import complete_checkpoints
+    reference = reference_losses(copy.deepcopy(model))
+    losses = logged(trainer_for(model, FSDP_BF16, STEPS, "fsdp_bf16"), "loss")
+    worst = max(abs(got - ref) / abs(ref) for got, ref in zip(losses, reference))
+    return (len(losses) == STEPS and worst <= TOLERANCE,
+            f"max relative loss difference {worst:.4f} vs the fp32 CPU loop, {len(losses)} steps (tol {TOLERANCE})")
 
-    async_saves = [os.path.basename(p) for p in complete_checkpoints(run_dir)]
-    fp16 = None
-    if cuda:  # every rank trains it; the LLM replicated here: the check is the scaler shared by the optimizers
-        fp16_modules = {n: {**{k: v for k, v in m.items() if k != "fsdp_plugin"}, "parallel": "ddp"}
-                        for n, m in MODULES.items()}
-        fp16 = train(fp16_model, train_set, cuda, fp16_modules, fp16=True, output_dir="/tmp/hf_omni_gpu_check/fp16",
-                     save_strategy="steps", save_steps=STEPS)
-    if not trainer.is_world_process_zero():
-        return
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
-    device = torch.cuda.get_device_name() if cuda else "cpu (NOT the CUDA check; fp16 skipped)"
-    print(f"\nbench/gpu_check.py: {device}, backend {backend}, wrapped {trainer.plugin.wrapped}, "
-          f"llm param dtype in forward: bf16, {STEPS} steps in {seconds:.1f} s")
-    ok = report("FSDP2, bf16", losses, reference)
-    print(f"async saves under {backend}, marked complete: {async_saves}")
-    ok = ok and async_saves == [f"checkpoint-{STEPS // 2}", f"checkpoint-{STEPS}"]
-    if fp16 is not None:
-        scaler = fp16[0].plugin.scaler
-        print(f"fp16: one GradScaler shared by {sorted(fp16[0].plugin.optimizer.optimizers)}: {scaler is not None}, "
-              f"final scale {scaler.get_scale() if scaler else None}")
-        ok = report("Trainer fp16, shared GradScaler", fp16[1], reference) and scaler is not None and ok
-        with open(f"/tmp/hf_omni_gpu_check/fp16/checkpoint-{STEPS}/scaler.json") as f:  # resumes with its scale
-            saved_scale = json.load(f)["scale"]
-        print(f"fp16 checkpoint: scaler.json scale {saved_scale}")
-        ok = ok and saved_scale == scaler.get_scale()
-    sys.exit(0 if ok else 1)
+
+@check(30, "needs CUDA (set_sync_debug_mode)", needs=("cuda",))
+def sync_free_steps():
+    state = {"clean": 0}
+
+    class Arm(TrainerCallback):  # armed in steps 2-6, off at each step's end (before Trainer logs or saves)
+        def on_step_begin(self, args, st, control, **kw):
+            if st.global_step >= 1:
+                torch.cuda.set_sync_debug_mode("error")
+                state["armed"] = True
+
+        def on_step_end(self, args, st, control, **kw):
+            torch.cuda.set_sync_debug_mode(0)
+            state["clean"] += state.pop("armed", False)
+
+    demo = build_model()
+    model = MaybeImages.from_modules(demo.omni_modules(), processors=demo.processors)
+    try:
+        trainer_for(model, FSDP_BF16, 6, "sync", [Arm()], logging_steps=1000, logging_nan_inf_filter=False,
+                    grad_clip_scope="global", data_collator=images_missing_on_rank_1())
+    except RuntimeError as err:
+        return False, f"a sync in armed step {state['clean'] + 1}: {str(err).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    where = "rank 1 without images every other step" if WORLD > 1 else "1 rank: every batch has images"
+    return state["clean"] == 5, f"{state['clean']} of 5 steps without a host sync (global clipping; {where})"
+
+
+@check(45, "needs CUDA while torch's CPU offload pins memory (refused without an accelerator)")
+def offload_clipping():
+    offload = copy.deepcopy(FP32)
+    offload["llm"]["fsdp_plugin"] = {"cpu_offload": True}
+    folder, runs, problems = demo_folder(), {}, []
+    try:
+        for label, modules in (("offload", offload), ("offload + empty_init", offload), ("no offload", FP32)):
+            model = Captioner.from_pretrained(folder, empty_init=True) if "empty" in label else build_model()
+            placed = {}
+
+            class Where(TrainerCallback):  # after prepare: where the LLM's shards and buffers are
+                def on_train_begin(self, args, st, control, model=None, **kw):
+                    placed["shards"] = {local(p).device.type for p in model.llm.parameters()}
+                    placed["away"] = [f"{n} on {b.device}" for n, b in model.llm.named_buffers()
+                                      if b.device.type != args.device.type]
+            try:
+                trainer = trainer_for(model, modules, 3, f"offload_{len(runs)}", [Where()],
+                                      grad_clip_scope="global", max_grad_norm=0.5)
+            except RuntimeError as err:
+                if CUDA or "accelerator" not in str(err):
+                    raise
+                return None, (f"cpu_offload refused on CPU by torch ({str(err).splitlines()[0]} FSDP2's "
+                              "CPUOffloadPolicy pins host memory by default)")
+            runs[label] = sum((logged(trainer, k) for k in ("grad_norm", "grad_norm/llm", "grad_norm/projector")), [])
+            problems += [f"{label}: buffer {where}" for where in placed["away"]]
+            if label != "no offload" and CUDA and placed["shards"] != {"cpu"}:
+                problems.append(f"{label}: llm shards on {placed['shards']}, not offloaded")
+    finally:
+        if not folder.startswith(ROOT):  # a temporary copy (ROOT is cleared at the next start)
+            shutil.rmtree(folder, ignore_errors=True)
+    worst = 0.0
+    for label, norms in runs.items():
+        if len(norms) != 9 or not all(map(math.isfinite, norms)):
+            problems.append(f"{label}: grad norms {norms}")
+        worst = max([worst] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms, runs["no offload"])])
+    figure = (f"global clipping at 0.5, 3 steps: grad norms (total, llm, projector) finite, max rel. diff vs no "
+              f"offload {worst:.1e} (normal build and empty_init; tol 1e-4); llm shards on cpu, buffers on "
+              f"{'cuda' if CUDA else 'cpu'}")
+    return not problems and worst <= 1e-4, (figure if not problems else "; ".join(problems))
+
+
+@check(20, "the same code under gloo; bf16 compute on CPU kernels")
+def dtypes():
+    seen, model = {"shard": set(), "grad": set()}, build_model()
+    model.llm.model.layers[0].self_attn.q_proj.register_forward_hook(  # a Linear's output: the gathered dtype
+        lambda module, inputs, out: seen.setdefault("compute", {out.dtype}) and None)
+
+    class Grads(TrainerCallback):  # the gradients exist between clipping and the optimizer step
+        def on_pre_optimizer_step(self, args, st, control, model=None, **kw):
+            for p in model.llm.parameters():
+                seen["shard"].add(local(p).dtype)
+                seen["grad"].add(local(p.grad).dtype if p.grad is not None else None)
+            seen["dtensor"] = hasattr(next(model.llm.parameters()), "to_local")
+
+    trainer = trainer_for(model, FSDP_BF16, 1, "dtypes", [Grads()])
+    exp_avg = {local(s["exp_avg"]).dtype for s in trainer.plugin.optimizer.optimizers["llm"].state.values()}
+    ok = seen["shard"] == seen["grad"] == exp_avg == {torch.float32} and seen.get("compute") == {torch.bfloat16}
+    name = lambda dtypes: "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))  # noqa: E731
+    return ok and seen["dtensor"], (
+        f"llm shard {name(seen['shard'])} ({'DTensor' if seen['dtensor'] else 'NOT sharded'}), grad "
+        f"{name(seen['grad'])}, exp_avg {name(exp_avg)}, compute {name(seen.get('compute', {None}))} "
+        f"(want fp32 x3, bf16)")
+
+
+@check(30, "needs CUDA (fp16 is refused on CPU)", needs=("cuda",))
+def fp16_injected_inf():
+    modules = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+               "llm": {"parallel": "ddp", "learning_rate": 1e-3}}
+    box, seen = {}, {}
+
+    def now():  # every trained tensor, the scale, each module's scheduler position
+        return (trained_tensors(trainer.model), trainer.accelerator.scaler.get_scale(),
+                {n: s.last_epoch for n, s in trainer.plugin.scheduler.schedulers.items()})
+
+    class Inject(TrainerCallback):
+        def on_train_begin(self, args, st, control, model=None, **kw):
+            trainer.accelerator.scaler._init_scale = 2.0 ** 10  # read lazily: no natural overflow at step 2
+            if RANK == WORLD - 1:  # one rank, one projector gradient; hooked after wrapping
+                next(model.projector.parameters()).register_hook(
+                    lambda g: g * float("inf") if box.get("step") == 3 else g)
+
+        def on_step_begin(self, args, st, control, **kw):
+            box["step"] = st.global_step + 1
+            box["before"] = now()
+
+        def on_step_end(self, args, st, control, **kw):
+            (tensors, scale, epochs), (after, scale_after, epochs_after) = box["before"], now()
+            seen[box["step"]] = (sum(not torch.equal(tensors[k], after[k]) for k in after), len(after), scale,
+                                 scale_after, epochs, epochs_after)
+
+    trainer = trainer_for(build_model(), modules, 4, "fp16", [Inject()], run=False, fp16=True)
+    trainer.train()
+    (changed2, n, _, _, e2, e2_after), (changed3, _, s3, s3_after, e3, e3_after) = seen[2], seen[3]
+    ok = (changed2 > 0 and all(e2_after[k] == e2[k] + 1 for k in e2)  # the control step stepped
+          and changed3 == 0 and s3_after == s3 / 2 and e3_after == e3)
+    return ok, (f"step 3 (inf in one projector gradient): {changed3}/{n} tensors changed, scale {s3:g} -> "
+                f"{s3_after:g}, schedulers' last_epoch {e3} -> {e3_after}; control step 2: {changed2}/{n} "
+                f"changed, last_epoch {e2} -> {e2_after}")
+
+
+@check(60, "the same code under gloo; no copy stream on CPU")
+def async_save_resume():
+    ends = []
+
+    class Tick(TrainerCallback):  # each step's end, the training stream drained (not the copy stream)
+        def on_step_end(self, *args, **kw):
+            if CUDA:
+                torch.cuda.current_stream().synchronize()
+            ends.append(time.perf_counter())
+
+    straight = trainer_for(build_model(), FSDP_BF16, 8, "async", [Tick()], save_strategy="steps", save_steps=4,
+                           save_async=True)
+    stream = getattr(getattr(getattr(straight.plugin.checkpointer, "pipeline", None), "stream", None), "stream", None)
+    if CUDA:
+        ok_stream = stream is not None and stream != torch.cuda.default_stream()
+        named = f"copy stream {stream!r}: " + ("not the default stream" if ok_stream else "NOT a stream of its own")
+    else:
+        ok_stream, named = stream is None, "no copy stream (CPU)"
+    resumed = trainer_for(build_model(), FSDP_BF16, 8, "async_resumed", resume=f"{ROOT}/async/checkpoint-4")
+    want, got = trained_tensors(straight.model), trained_tensors(resumed.model)
+    equal = sum(torch.equal(want[k], got[k]) for k in want if k in got)
+    step = {k: ends[k - 1] - ends[k - 2] for k in (3, 4, 5, 6)}  # step k: from step k-1's end to its own
+    times = ", ".join(f"{k}: {v * 1000:.0f}" for k, v in step.items())
+    ratio = step[5] / statistics.median([step[3], step[4], step[6]])
+    return (equal == len(want) == len(got) and ok_stream,
+            f"resume from checkpoint-4 to 8: {equal}/{len(want)} tensors bitwise equal; step ms {times} (saved "
+            f"after 4: step 5 / median of 3, 4, 6 = {ratio:.2f}); {named}")
+
+
+@check(30, "the per-module table only (the peak needs CUDA)")
+def memory_vs_profile():
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = trainer_for(build_model(), FSDP_BF16, 3 if CUDA else 1, "memory")
+    if not hasattr(trainer.plugin, "module_bytes"):
+        return False, "OmniPlugin.module_bytes() is missing (the per-module bytes table): nothing to compare"
+    table, kinds = trainer.plugin.module_bytes(), ("parameters", "gradients", "optimizer", "master")
+    sums = {name: sum(int(row.get(k, 0)) for k in kinds) for name, row in table.items()}
+    total, rows = sum(sums.values()), ", ".join(f"{n} {b / 2**20:.2f}" for n, b in sums.items())
+    well_formed = bool(table) and all(set(kinds) <= set(row) for row in table.values())
+    if not CUDA:
+        return well_formed, f"table MiB per rank: {rows}; total {total / 2**20:.2f} (cpu: no peak to compare)"
+    peak = torch.cuda.max_memory_allocated() - held
+    return (well_formed and total <= peak,
+            f"peak {peak / 2**20:.1f} MiB (above what was held before) / table {total / 2**20:.1f} MiB = "
+            f"{peak / max(total, 1):.2f} (want >= 1, about < 3 with activations); table MiB: {rows}")
+
+
+@check(40, "4 gloo ranks, launched with --nproc_per_node 4", needs=("4 ranks",))
+def hsdp():
+    hybrid = copy.deepcopy(FP32)  # 2 x 1 is refused (replicas without sharding are `parallel: ddp`)
+    hybrid["llm"]["parallelism"] = {"dp_replicate_size": 2, "dp_shard_size": WORLD // 2}
+    full = logged(trainer_for(build_model(), FP32, 4, "full_shard"), "loss")
+    hybrid_losses = logged(trainer_for(build_model(), hybrid, 4, "hsdp"), "loss")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(hybrid_losses, full))
+    return (len(full) == len(hybrid_losses) == 4 and worst <= 1e-5,
+            f"llm HSDP 2 x {WORLD // 2} vs full shard over {WORLD}: max relative loss difference {worst:.1e}, "
+            f"4 steps (tol 1e-5)")
+
+
+@check(20, "2 gloo ranks: the group count only (no device memory)", needs=("2 ranks",))
+def nccl_memory_per_communicator():
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        trainer_for(build_model(), FP32, 1, "groups")
+    existing = len(distributed_c10d._world.pg_map)
+    if CUDA:
+        torch.cuda.synchronize()
+        free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    for group in [dist.new_group(list(range(WORLD))) for _ in range(2)]:  # made at its first collective
+        dist.all_reduce(torch.ones(1, device="cuda" if CUDA else "cpu"), group=group)
+    if not CUDA:
+        return True, f"{existing} process groups in this process before; 2 more made (cpu: no device memory)"
+    torch.cuda.synchronize()
+    used, in_torch = (free - torch.cuda.mem_get_info()[0]) / 2**21, (torch.cuda.memory_reserved() - reserved) / 2**21
+    return True, (f"per NCCL communicator over {WORLD} ranks: {used:.1f} MiB of device memory ({in_torch:.1f} MiB "
+                  f"of it in torch's allocator); {existing} process groups in this process before")
+
+
+class MaskedTower(OmniModel):
+    """An entry point with two inputs, pixels and their mask (as tests/scripts/mp_exchange.py)."""
+
+    @offline_encoder(module="vision", inputs=["pixel_values", "mask"], output="features")
+    def encode(self, pixel_values, mask):
+        return self.vision(pixel_values=pixel_values * mask).last_hidden_state
+
+    def forward(self, pixel_values=None, mask=None):
+        return {"loss": self.encode(pixel_values, mask=mask).square().mean()}
+
+
+@check(20, "2 gloo ranks, launched with --nproc_per_node 2", needs=("2 ranks",))
+def nccl_missing_modality_one_rank_raises():  # last: it leaves the training group mid-step
+    from accelerate import Accelerator
+    from hf_omni import OmniPlugin
+
+    plugin, accelerator = OmniPlugin(modules={"vision": {"parallel": "ddp"}}), Accelerator(cpu=not CUDA)
+    model, _, _ = plugin.prepare(accelerator, MaskedTower.from_modules({"vision": build_model().vision}), 2)
+    pixels, mask = torch.rand(2, 1, 8, 8), torch.ones(2, 1, 1, 1)
+    start = time.perf_counter()
+    try:
+        model(pixel_values=pixels.to(accelerator.device),
+              mask=None if RANK == 1 else mask.to(accelerator.device))["loss"].backward()
+        return False, f"rank {RANK}: no error (rank 1 passed pixel_values without their mask)"
+    except ValueError as err:
+        seconds, message = time.perf_counter() - start, str(err).splitlines()[0]
+        return "vision" in message and seconds < 30, f"rank {RANK} raised ValueError in {seconds:.1f} s: {message}"
+    finally:
+        plugin.close()
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, ROOT)
