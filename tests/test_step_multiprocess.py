@@ -7,7 +7,7 @@ import json
 import pytest
 from launching import launch
 
-SCENARIOS = ("online", "offline", "offload", "fp16")
+SCENARIOS = ("online", "offline", "offload", "grouped", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,11 @@ def test_offloaded_module_clips_with_the_resident_ones_and_trains_the_same(resul
             run = facts[name]
             assert run["loss_diff"] <= 1e-6 and run["norm_diff"] <= 1e-6 and run["weight_diff"] <= 1e-6, (name, run)
             assert run["shards"] == ["cpu"] and run["buffers"] == [run["compute"]], (name, run)
+
+
+def test_grouped_by_modality_every_step_agrees_on_its_modalities(results):
+    """A forward that skips vision without an image (no entry point) at 2 ranks, vision sharded: each step's batches
+    have images on both ranks or on neither, and both kinds of step happen."""
+    first, second = (facts["seen"] for facts in results["grouped"])
+    assert all(facts["steps"] == 8 for facts in results["grouped"])
+    assert first == second and len(first) == 8 and set(first) == {True, False}, (first, second)

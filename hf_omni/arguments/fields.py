@@ -72,7 +72,8 @@ _FATES: dict[str, tuple[str, str]] = {
     "remove_unused_columns": (HONOURED, "keeps the columns `forward` names; one meant to pass through `**kw` needs "
                                         "`remove_unused_columns: false`"),
     "label_names": (HONOURED, "default: the `forward` parameters with 'label' in their name"),
-    "train_sampling_strategy": (HONOURED, "`group_by_length` measures each row's `input_ids`"),
+    "train_sampling_strategy": (HONOURED, "`group_by_length` measures each row's `input_ids`; `group_by_modality` "
+                                          "goes with `random` or `sequential`"),
     "length_column_name": (HONOURED, "read from a `datasets.Dataset` only (offline-served rows are measured)"),
     "ddp_backend": (HONOURED, "the process group's backend"),
     "ddp_timeout": (HONOURED, "the process group's timeout"),

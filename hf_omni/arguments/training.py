@@ -58,6 +58,8 @@ class OmniTrainingArguments(TrainingArguments):
                 "with a subfolder per module."})
     offline_cache: str = field(default="auto", metadata={
         "help": "auto: a stale offline cache is recomputed | read_only: a stale or missing one is an error."})
+    group_by_modality: bool = field(default=False, metadata={
+        "help": "Every global batch carries the same modalities (entry points with inputs) on every rank."})
 
     def __post_init__(self):
         self._refuse_global_settings()
@@ -101,6 +103,10 @@ class OmniTrainingArguments(TrainingArguments):
                               ("offline_cache", ("auto", "read_only")), ("hub_layout", LAYOUTS)):
             if getattr(self, name) not in choices:
                 raise OmniArgumentError(None, name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        if self.group_by_modality and self.train_sampling_strategy not in ("random", "sequential"):
+            raise OmniArgumentError(None, "group_by_modality", "groups the rows itself: it goes with "
+                                    "train_sampling_strategy random or sequential, not "
+                                    f"{self.train_sampling_strategy!r}")
         if isinstance(self.offline_modules, str):
             self.offline_modules = [self.offline_modules]
         if self.offline_modules is not None:

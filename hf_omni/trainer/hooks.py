@@ -33,6 +33,7 @@ TRAINER_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "_load_scaler": (OVERRIDES, ("self", "checkpoint")),
     "get_eval_dataloader": (OVERRIDES, ("self", "eval_dataset")),
     "get_test_dataloader": (OVERRIDES, ("self", "test_dataset")),
+    "_get_train_sampler": (OVERRIDES, ("self", "train_dataset")),
     "push_to_hub": (OVERRIDES, ("self", "commit_message", "blocking", "token", "revision", "private", "kwargs")),
     "_push_from_checkpoint": (OVERRIDES, ("self", "checkpoint_folder")),
     "_get_output_dir": (CALLS, ("self", "trial")),

@@ -9,7 +9,7 @@ installed Trainer). By concern:
 - checkpoints (`hf_omni.checkpoint`): `train` (the newest *complete* checkpoint), `_save_checkpoint` (the marker
   after Trainer's own state), `_load_from_checkpoint` / `_load_optimizer_and_scheduler` / `_load_scaler` (the plugin
   reads them, never a pickle), `_save_rng_state` / `_load_rng_state` (JSON, one per rank), `_load_best_model`;
-- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`).
+- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`); data: `sampling.py`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from ..plugin import OmniPlugin
 from . import label_smoothing
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
+from .sampling import ModalitySamplingMixin
 
 
-class OmniTrainer(HubPushMixin, Trainer):
+class OmniTrainer(ModalitySamplingMixin, HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -84,8 +85,7 @@ class OmniTrainer(HubPushMixin, Trainer):
     def _serve_offline(self) -> None:
         """`offline_modules`: the train and eval datasets served from the modules' caches (encoded first where none
         is valid), the modules released to the meta device (`OmniPlugin.offline_datasets`)."""
-        evals = self.eval_dataset
-        splits = {"train": self.train_dataset}
+        evals, splits = self.eval_dataset, {"train": self.train_dataset}
         splits.update({f"eval-{k}": v for k, v in evals.items()} if isinstance(evals, dict) else
                       {"eval": evals} if evals is not None else {})
         served = self.plugin.offline_datasets(self.model, {k: v for k, v in splits.items() if v is not None},
@@ -200,7 +200,7 @@ class OmniTrainer(HubPushMixin, Trainer):
         self.plugin.checkpointer.on_marked = self._push_from_checkpoint  # hub_strategy: after each marker
         if resume_from_checkpoint is not None:
             self.plugin.load_state(resume_from_checkpoint, weights_loaded=filled)
-        for attr in ("model", "optimizer", "lr_scheduler"):
+        for attr in ("model", "optimizer", "lr_scheduler"):  # what callbacks are handed
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader

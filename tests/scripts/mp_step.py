@@ -7,6 +7,9 @@
 - `offload`: the LLM sharded with `cpu_offload` (built, and with `empty_init`) beside a replicated projector, global
   clipping: the same losses, norms and weights as with the LLM resident; shards on the CPU, buffers where compute
   runs.
+- `grouped`: `group_by_modality: true` under a forward that skips the vision tower when its batch has no image (as
+  a released model's own forward does; no entry point called), vision sharded: every step's batches have images
+  on every rank or on none, and the run ends.
 - `fp16`: a loop over OmniPlugin with torch's CPU GradScaler; at step 2 an inf is put into one gradient of the
   replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
   rank must skip, the scale back off alike, no scheduler step. The same counter must see fp16's one host read per
@@ -81,6 +84,33 @@ def train(out_dir: str, name: str, modules: dict, **extra) -> dict:
             "losses": helpers.step_losses(trainer)}
 
 
+class SkippingCaptioner(mixed_modality.MixedCaptioner):
+    """Runs vision and projector only when its batch has an image, as a released model's forward does."""
+
+    seen: list = []
+
+    def forward(self, input_ids, pixel_values=None, labels=None, **kw):
+        embeds = self.llm.get_input_embeddings()(input_ids)
+        if self.training:
+            self.seen.append(pixel_values is not None)
+        if pixel_values is not None:
+            slots = (input_ids == self.processors["llm"].unk_token_id).unsqueeze(-1)
+            feats = self.projector(self.vision(pixel_values=pixel_values).last_hidden_state)
+            embeds = embeds.masked_scatter(slots, feats.to(embeds.dtype))
+        return self.llm(inputs_embeds=embeds, labels=labels, **kw)
+
+
+def grouped(out_dir: str) -> dict:
+    model = mixed_modality.mixed_model(SkippingCaptioner)
+    args = helpers.make_args(os.path.join(out_dir, "grouped"), modules=MODULES, per_device_train_batch_size=2,
+                             max_steps=8, group_by_modality=True, train_sampling_strategy="random")
+    has_image = [i % 3 != 1 for i in range(24)]  # mixed within what sequential 2 x 2 batches would give
+    trainer = OmniTrainer(model=model, args=args, train_dataset=mixed_modality.MixedCaptions(model, has_image),
+                          data_collator=mixed_modality.collate)
+    trainer.train()
+    return {"seen": model.seen, "steps": trainer.state.global_step}
+
+
 def offload(out_dir: str) -> dict:
     os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
     runs, facts = {}, {}
@@ -146,6 +176,7 @@ def main(out_dir: str):
     results["online"]["dummies"] = len(dummies)
     results["offline"] = train(out_dir, "offline", OFFLINE, offline_modules=["vision"])
     results["offload"] = offload(out_dir)
+    results["grouped"] = grouped(out_dir)
     results["fp16"] = fp16(out_dir)
     for name, facts in results.items():
         with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
