@@ -3,7 +3,8 @@
     <offline_cache_dir>/<module>-<split>/
         manifest.json   fingerprint (each part apart, so a stale cache names what changed), rows, columns
         part-<rank>/    `save_to_disk` of the rows that rank encoded: row (source index), value (the output row's
-                        bytes, dtype kept exactly — bf16 included; null for a row without input), shape, dtype
+                        bytes, dtype kept exactly — bf16 included; null for a row without input), shape, dtype,
+                        sizes (a ragged encoder's: each of the row's items' lengths; `ragged.py`)
 
 Written to `<module>-<split>.partial/` and renamed when every rank's part is complete: a killed encode never looks
 valid. Read memory-mapped (`load_from_disk`), each row found by its source index.
@@ -24,6 +25,7 @@ import torch
 from ..checkpoint.shard_writer import raw_bytes
 from ..dist import agreed, is_main, rank, world_size
 from ..progress import each
+from .ragged import row_counts, split_rows
 
 MANIFEST = "manifest.json"
 
@@ -102,11 +104,13 @@ def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict
 
 # -- reading ----------------------------------------------------------------------------------------------
 class Cache:
-    """A complete cache, memory-mapped; `row(i)`: the output for source row i (None: the row had no input)."""
+    """A complete cache, memory-mapped; `row(i)`: the output for source row i (None: the row had no input; a
+    ragged encoder's: the tuple of the row's items)."""
 
-    def __init__(self, folder: str, rows: int):
+    def __init__(self, folder: str, rows: int, ragged: bool = False):
         from datasets import concatenate_datasets, load_from_disk
 
+        self.ragged = ragged
         parts = sorted(p for p in os.listdir(folder) if p.startswith("part-"))
         self.data = concatenate_datasets([load_from_disk(os.path.join(folder, p)) for p in parts])
         index = np.asarray(self.data["row"], dtype=np.int64)
@@ -121,10 +125,13 @@ class Cache:
     def rows(self, indices: list[int]) -> list[torch.Tensor | None]:
         """Many rows in one Arrow read (a batch's worth)."""
         items = self.data[self.position[np.asarray(indices, dtype=np.int64)].tolist()]
-        return [None if value is None else
-                torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape) if value else
-                torch.empty(shape, dtype=getattr(torch, dtype))  # an empty output row: frombuffer refuses 0 bytes
-                for value, dtype, shape in zip(items["value"], items["dtype"], items["shape"])]
+        values = [None if value is None else
+                  torch.frombuffer(bytearray(value), dtype=getattr(torch, dtype)).reshape(shape) if value else
+                  torch.empty(shape, dtype=getattr(torch, dtype))  # an empty output row: frombuffer refuses 0 bytes
+                  for value, dtype, shape in zip(items["value"], items["dtype"], items["shape"])]
+        if not self.ragged:
+            return values
+        return [None if v is None else tuple(torch.split(v, sizes)) for v, sizes in zip(values, items["sizes"])]
 
 
 def read_manifest(folder: str) -> dict | None:
@@ -154,7 +161,7 @@ HELD = 128 * 2**20  # encoder output bytes held before they are written as one p
 
 
 def _empty_part() -> dict:
-    return {"row": [], "value": [], "shape": [], "dtype": []}
+    return {"row": [], "value": [], "shape": [], "dtype": [], "sizes": []}
 
 
 @torch.no_grad()
@@ -173,13 +180,19 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device):
         if have:
             batch = collator([{c: items[j][c] for c in spec.inputs} for j in have])
             result = method(**{c: torch.as_tensor(batch[c]).to(device) for c in spec.inputs})
-            if not isinstance(result, torch.Tensor) or result.shape[0] != len(have):
+            if spec.ragged:  # each row's items concatenated, with their lengths
+                split = split_rows(spec, result, row_counts(spec, [items[j] for j in have]))
+                values = {j: (value.detach().cpu(), sizes) for (value, sizes), j in zip(split, have)}
+            elif not isinstance(result, torch.Tensor) or result.shape[0] != len(have):
                 raise ValueError(f"offline encoder {spec.method} (module {spec.module!r}) must return a tensor with "
-                                 f"one row per input row ({len(have)}), got {getattr(result, 'shape', type(result))}")
-            result = result.detach().cpu()
-            values = {j: result[k] for k, j in enumerate(have)}
+                                 f"one row per input row ({len(have)}), got {getattr(result, 'shape', type(result))}"
+                                 "; outputs of different lengths per item: declare ragged=")
+            else:
+                result = result.detach().cpu()
+                values = {j: (result[k], []) for k, j in enumerate(have)}
         for j, index in enumerate(chunk):
-            value = values.get(j)
+            value, sizes = values.get(j, (None, []))
+            out["sizes"].append(sizes)
             out["row"].append(index)
             out["value"].append(np.frombuffer(raw_bytes(value), dtype=np.uint8) if value is not None else None)
             out["shape"].append(list(value.shape) if value is not None else [])
@@ -204,7 +217,8 @@ def arrow_columns(rows: dict) -> dict:
     value = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(values),
                                              [valid, pa.py_buffer(offsets), pa.py_buffer(data)])
     return {"row": pa.array(rows["row"], pa.int64()), "value": value,
-            "shape": pa.array(rows["shape"], pa.list_(pa.int64())), "dtype": pa.array(rows["dtype"], pa.string())}
+            "shape": pa.array(rows["shape"], pa.list_(pa.int64())), "dtype": pa.array(rows["dtype"], pa.string()),
+            "sizes": pa.array(rows["sizes"], pa.list_(pa.int64()))}
 
 
 def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_size: int, device, group) -> None:
@@ -219,7 +233,7 @@ def write_cache(model, spec, dataset, folder: str, want: dict, collator, batch_s
             os.makedirs(partial)
     with agreed(f"module {spec.module!r}: encoding into {partial}", group):
         features = Features({"row": Value("int64"), "value": Value("large_binary"), "shape": Sequence(Value("int64")),
-                             "dtype": Value("string")})
+                             "dtype": Value("string"), "sizes": Sequence(Value("int64"))})
         for number, rows in enumerate(encode_rows(model, spec, dataset, collator, batch_size, device)):
             Dataset.from_dict(arrow_columns(rows), features=features).save_to_disk(
                 os.path.join(partial, f"part-{rank():05d}-{number:05d}"))

@@ -22,14 +22,26 @@ import inspect
 
 from ..errors import OmniArgumentError
 from .missing_modality import call_entry_point
-from .spec import OfflineEncoder, offline_encoders
+from .spec import RAGGED, OfflineEncoder, offline_encoders
 
 
-def offline_encoder(module: str, inputs: list[str], output: str):
+def offline_encoder(module: str, inputs: list[str], output: str, ragged: str | None = None,
+                    items: str | None = None):
     """Mark an `OmniModel` method as the entry point of frozen module `module`: called with the `inputs` columns
-    (batched by the data collator), it returns one output row per input row, stored in column `output`."""
+    (batched by the data collator), it returns one output row per input row, stored in column `output`.
+
+    Outputs of different lengths (`ragged`), as transformers returns them: `"tuple"`, a tuple of per-item tensors
+    (Qwen2.5-VL's `get_image_features(...).pooler_output`), or `"concat"`, `(values, sizes)`: one tensor, items
+    concatenated along dim 0, and each item's length. `items`: the input column whose first dimension counts a
+    row's items (`image_grid_thw`: one row per image); without it, one item per row. The cache keeps each row's
+    items and serves a batch's in the same form."""
     if not inputs or not all(isinstance(c, str) for c in inputs) or not isinstance(output, str):
         raise ValueError("offline_encoder(module, inputs=[column, ...], output=column): columns are strings")
+    if ragged not in (None, *RAGGED):
+        raise ValueError(f"offline_encoder(module={module!r}): ragged must be one of {RAGGED} or None, got {ragged!r}")
+    if items is not None and (ragged is None or items not in inputs):
+        raise ValueError(f"offline_encoder(module={module!r}): items={items!r} names the input column counting a "
+                         "row's items of a ragged output; it must be one of inputs, with ragged set")
 
     def mark(fn):
         named = {n for n, p in inspect.signature(fn).parameters.items() if p.kind != p.VAR_KEYWORD}
@@ -41,7 +53,7 @@ def offline_encoder(module: str, inputs: list[str], output: str):
         def method(self, *args, **kwargs):
             return call_entry_point(self, spec, fn, args, kwargs)
 
-        spec = OfflineEncoder(module, tuple(inputs), output, fn.__name__)
+        spec = OfflineEncoder(module, tuple(inputs), output, fn.__name__, ragged, items)
         method.offline_encoder = spec
         method.encoder_function = fn  # its source is part of the cache fingerprint
         return method

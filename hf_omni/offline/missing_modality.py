@@ -36,6 +36,7 @@ import torch
 from ..compat import queue_backward_callback
 from ..dist import world_size
 from ..dtypes import CODES
+from .ragged import empty_form, stand_in
 from .spec import class_encoders
 
 MAX_DIMS = 8
@@ -66,9 +67,16 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
             return fn(*bound.args, **bound.kwargs)
         if spec.module not in CACHED.get(model, {}):
             raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
-        row = CACHED[model][spec.module]
-        return None if row is None else torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
+        row = CACHED[model][spec.module]  # (shape, dtype) of another rank's outputs, or None
+        if row is None or spec.ragged:
+            return row and empty_form(spec, row[0][1:], row[1], prepared.device)
+        return torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
     donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, error=error)
+    if spec.ragged and not everyone and donor_rank is not None:  # every rank knows the same: all raise
+        raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs (items of different "
+                         "lengths), so no dummy is built from a row of its inputs, and this batch has them on some "
+                         "ranks only: set group_by_modality: true (every global batch agrees on its modalities) or "
+                         "serve the module from its offline cache")
     sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
     if present:
         in_window(model, spec, {c: inputs[c][:1].detach().clone() for c in spec.inputs})
@@ -212,6 +220,7 @@ def before_forward(model, args: tuple, kwargs: dict) -> None:
     if specs:
         given = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
         values = {s.output: kwargs.get(s.output, given.get(s.output)) for s in specs}
+        values = {s.output: stand_in(s, values[s.output]) if s.ragged else values[s.output] for s in specs}
         donors, _, _ = shared_shapes(", ".join(s.module for s in specs), "forward", values)
         CACHED[model] = {s.module: in_window(model, s, donors[s.output]) for s in specs}  # on every rank alike
     return None

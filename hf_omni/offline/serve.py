@@ -88,7 +88,7 @@ def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator
                     slot.filled()
                 slot.module.to(device).eval()
                 write_cache(model, spec, dataset, target, want, collator, batch_size, device, group)
-            served[split][spec] = Cache(target, len(dataset))
+            served[split][spec] = Cache(target, len(dataset), ragged=spec.ragged is not None)
         if folder is not None:  # empty_init: the folder it is read from is its source
             slot.record_source(folder)
         write_frozen_source(slot, output_dir, group)  # built in memory: written once, its source

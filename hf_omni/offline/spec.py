@@ -6,14 +6,22 @@ import functools
 from dataclasses import dataclass
 
 
+RAGGED = ("tuple", "concat")
+
+
 @dataclass(frozen=True)
 class OfflineEncoder:
-    """The module, the input columns the method reads, the column it writes, the method's name."""
+    """The module, the input columns the method reads, the column it writes, the method's name; for outputs of
+    different lengths per item (a Qwen2.5-VL tower's tokens per image), their form (`ragged`: "tuple" of per-item
+    tensors, or "concat": `(values, sizes)`) and the input column whose first dimension counts a row's items
+    (`items`; None: one item per row)."""
 
     module: str
     inputs: tuple[str, ...]
     output: str
     method: str
+    ragged: str | None = None
+    items: str | None = None
 
 
 @functools.cache

@@ -9,7 +9,7 @@ installed Trainer). By concern:
 - checkpoints (`hf_omni.checkpoint`): `train` (the newest *complete* checkpoint), `_save_checkpoint` (the marker
   after Trainer's own state), `_load_from_checkpoint` / `_load_optimizer_and_scheduler` / `_load_scaler` (the plugin
   reads them, never a pickle), `_save_rng_state` / `_load_rng_state` (JSON, one per rank), `_load_best_model`;
-- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`); data: `sampling.py`.
+- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`); the data: offline-served datasets, their collator, the sampler (`data.py`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from ..plugin import OmniPlugin
 from . import label_smoothing
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
-from .sampling import ModalitySamplingMixin
+from .data import TrainingDataMixin
 
 
-class OmniTrainer(ModalitySamplingMixin, HubPushMixin, Trainer):
+class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -81,19 +81,6 @@ class OmniTrainer(ModalitySamplingMixin, HubPushMixin, Trainer):
         self.plugin.close()  # an async save still in flight gets its marker (and its push); buffers released
         self.hub_push.finish(self.plugin.checkpointer.group)  # the run's last push done; its error on every rank
         return output
-
-    def _serve_offline(self) -> None:
-        """`offline_modules`: the train and eval datasets served from the modules' caches (encoded first where none
-        is valid), the modules released to the meta device (`OmniPlugin.offline_datasets`)."""
-        evals, splits = self.eval_dataset, {"train": self.train_dataset}
-        splits.update({f"eval-{k}": v for k, v in evals.items()} if isinstance(evals, dict) else
-                      {"eval": evals} if evals is not None else {})
-        served = self.plugin.offline_datasets(self.model, {k: v for k, v in splits.items() if v is not None},
-                                              self.data_collator, self.args.per_device_eval_batch_size,
-                                              self.args.device)
-        self.train_dataset = served.get("train")
-        if evals is not None:
-            self.eval_dataset = {k: served[f"eval-{k}"] for k in evals} if isinstance(evals, dict) else served["eval"]
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         self._prepare_modules_for_eval()
