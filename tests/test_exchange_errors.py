@@ -1,6 +1,7 @@
 """An entry point's inputs wrong on one rank (tests/scripts/mp_exchange.py, 2 plain processes, no launcher): the
 error travels in the exchange's own all-gather, so both ranks raise the same error naming the module and the rank
-within seconds, instead of one rank raising alone and the other waiting in a collective."""
+within seconds, instead of one rank raising alone and the other waiting in a collective; an entry point with ragged
+outputs (no dummy from one row) given inputs on one rank only: both raise the same error naming the fix."""
 
 import os
 import subprocess
@@ -10,9 +11,11 @@ import time
 import pytest
 from launching import SCRIPTS, free_port, subprocess_env
 
+ON_RANK_1 = "(on rank 1; every rank raises this)"
 CASES = {
-    "partial": r"ValueError: module 'vision': encode got ['pixel_values'] but None for ['mask']",
-    "not_a_tensor": "ValueError: module 'vision': 'mask' of encode must be a tensor of 1 to 8 dims",
+    "partial": (r"ValueError: module 'vision': encode got ['pixel_values'] but None for ['mask']", ON_RANK_1),
+    "not_a_tensor": ("ValueError: module 'vision': 'mask' of encode must be a tensor of 1 to 8 dims", ON_RANK_1),
+    "ragged": ("ValueError: module 'vision': encode returns ragged outputs", "serve the module from its offline cache"),
 }
 
 
@@ -28,4 +31,4 @@ def test_one_rank_with_wrong_inputs_fails_every_rank_with_the_same_error(tmp_pat
     assert codes == [1, 1] and time.monotonic() - start < 60, [p.stderr.read()[-2000:] for p in procs]
     first, second = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
     assert first == second, (first, second)
-    assert first.startswith(CASES[mode]) and first.endswith("(on rank 1; every rank raises this)"), first
+    assert first.startswith(CASES[mode][0]) and first.endswith(CASES[mode][1]), first

@@ -1,6 +1,7 @@
 """Inputs to an entry point wrong on one rank, at 2 ranks started as plain processes (RANK / WORLD_SIZE /
 MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partial`) or a list for them (MODE
-`not_a_tensor`). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
+`not_a_tensor`), or no pixels to an entry point with ragged outputs (MODE `ragged`: no dummy can be built; rank 0
+has pixels). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
 
 Usage: mp_exchange.py MODE OUT_DIR"""
 
@@ -25,15 +26,28 @@ class Tower(OmniModel):
         return {"loss": feats.square().mean()}
 
 
+class RaggedTower(Tower):
+    @offline_encoder(module="vision", inputs=["pixel_values", "mask"], output="features", ragged="tuple")
+    def encode(self, pixel_values, mask):
+        return tuple(self.vision(pixel_values=pixel_values * mask).pooler_output.flatten(1))
+
+    def forward(self, pixel_values=None, mask=None):
+        feats = self.encode(pixel_values, mask=mask)
+        return {"loss": torch.cat(feats).square().mean()}
+
+
 def main(mode: str, out_dir: str):
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     vision = ResNetModel(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[16], depths=[1],
                                       layer_type="basic"))
     plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}}, defaults={"learning_rate": 1e-3})
-    model, _, _ = plugin.prepare(Accelerator(cpu=True), Tower.from_modules({"vision": vision}), num_training_steps=2)
+    cls = RaggedTower if mode == "ragged" else Tower
+    model, _, _ = plugin.prepare(Accelerator(cpu=True), cls.from_modules({"vision": vision}), num_training_steps=2)
     pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
-    if rank == 1:
+    if rank == 1 and mode == "ragged":
+        pixels, mask = None, None
+    elif rank == 1:
         mask = None if mode == "partial" else [[1.0]] * 2
     try:
         model(pixel_values=pixels, mask=mask)["loss"].backward()
