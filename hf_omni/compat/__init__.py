@@ -9,6 +9,7 @@ symbol, and each function below fails loudly (never silently) when its internal 
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -39,9 +40,11 @@ class MissingInternalError(RuntimeError):
     """A private third-party symbol hf_omni relies on is gone from the installed version."""
 
 
+@functools.cache
 def resolve(path: str, library: str | None = None):
     """Import the longest module prefix of `path`, then follow attributes; a clear error naming the library and
-    symbol when anything is missing."""
+    symbol when anything is missing. Cached: the failed imports of longer prefixes cost about 0.4 ms a call, and
+    some callers run every step."""
     library = library or path.split(".", 1)[0]
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
