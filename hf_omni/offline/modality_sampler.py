@@ -30,10 +30,8 @@ def row_modalities(dataset, columns: dict[str, list[str]]) -> list[tuple[str, ..
             raise ValueError(f"group_by_modality: the dataset's `modalities` has {len(given)} entries for "
                              f"{len(dataset)} rows")
         return [tuple(sorted(m)) if isinstance(m, (list, tuple, set, frozenset)) else (m,) for m in given]
-    try:
-        from datasets import Dataset
-    except ImportError:  # datasets is a requirement; without it every row is read below
-        Dataset = ()
+    from datasets import Dataset
+
     if isinstance(dataset, Dataset):
         present = {}
         for name, cols in columns.items():
