@@ -49,18 +49,20 @@ def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | N
 
 
 def share_found_inf(scaler, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:
-    """After `unscale_` of every optimizer: the sum of all their found-inf tensors, on the device and over every rank
-    (one scalar all-reduce; torch's DTensor rule reduces only a sharded module's, over one mesh). It becomes each
-    optimizer's, so `scaler.update()` backs off alike on every rank, and is returned (no host read here)."""
+    """After `unscale_` of every optimizer: the sum of all their found-inf tensors, on the scaler's device and over
+    every rank (one scalar all-reduce; torch's DTensor rule reduces only a sharded module's, over one mesh). It
+    becomes each optimizer's, so `scaler.update()` backs off alike on every rank, and is returned (no host read
+    here). An optimizer none of whose parameters has a gradient adds 0."""
     import torch.distributed as dist
 
-    from .compat import scaler_found_infs
+    from .compat import scaler_device, scaler_state
     from .dist import checkpoint_group, world_size
 
-    found = [scaler_found_infs(scaler, opt) for opt in optimizers]
-    tensors = [t for per_device in found for t in per_device.values()]
-    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-    total = torch.stack([t.to(device, non_blocking=True) for t in tensors]).sum()
+    device = scaler_device(scaler)  # one device on every rank, so one group
+    found = [scaler_state(scaler, opt).setdefault("found_inf_per_device", {}) for opt in optimizers]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for tensor in (t for per_device in found for t in per_device.values()):
+        total += tensor.to(device, non_blocking=True)
     if world_size() > 1:  # a CPU scalar goes over hf_omni's gloo group (an NCCL-only group takes no CPU tensor)
         dist.all_reduce(total, group=checkpoint_group() if device.type == "cpu" else None)
     for per_device in found:

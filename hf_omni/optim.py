@@ -15,6 +15,7 @@ from transformers.training_args import OptimizerNames
 from .arguments.module import ModuleArguments
 from .compat import decay_parameter_names
 from .errors import OmniArgumentError
+from .compat import scaler_state
 from .gradients import share_found_inf
 
 
@@ -76,7 +77,8 @@ class ModuleOptimizers(torch.optim.Optimizer):
     clipping; then every optimizer's found-inf is summed on the device and over every rank (one scalar all-reduce)
     and handed back to each; read once on the host, it decides for all: an inf / nan in any module's gradients on
     any rank skips every module's step. Then one `update()`.
-    `stepped`: the modules whose optimizer actually stepped in the last `step()` (what the schedulers follow).
+    `stepped`: the modules whose optimizer stepped in the last `step()` (what the schedulers follow; DCP's state-dict
+    helper steps a fresh optimizer with a zero learning rate, which is no step of training and is not counted).
 
     A `torch.optim.Optimizer` (its own constructor is not run: the modules' optimizers hold the parameters), so
     that `accelerator.prepare` wraps it as it wraps any optimizer and `accelerator.accumulate()` skips its `step` /
@@ -85,17 +87,11 @@ class ModuleOptimizers(torch.optim.Optimizer):
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], modules: dict[str, nn.Module], scaler=None):
         self.optimizers, self.modules = dict(optimizers), dict(modules)
         self.params = {name: [p for p in module.parameters() if p.requires_grad] for name, module in modules.items()}
-        self.scaler = scaler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.unscaled = False
         self.before_step = None  # an async save in flight: wait until it copied the state this step changes
-        self.stepped: set[str] | None = None  # None until the first step()
-        for name, opt in self.optimizers.items():
-            opt.register_step_post_hook(lambda _opt, _args, _kwargs, name=name: self._ran(name))
-
-    def _ran(self, name: str) -> None:
-        """Step post-hook of module `name`'s optimizer: it stepped (torch's GradScaler did not skip it)."""
-        if self.stepped is not None:
-            self.stepped.add(name)
+        self.stepped: set[str] | None = None  # the modules whose optimizer stepped in the last step(); None before
+        self.after_step: list = []  # called after every step(), skipped or not (the profile counts steps)
 
     def unscale_(self) -> None:
         if self.scaler is not None and not self.unscaled:
@@ -121,18 +117,29 @@ class ModuleOptimizers(torch.optim.Optimizer):
             raise ValueError("ModuleOptimizers.step does not take a closure")
         if self.before_step is not None:
             self.before_step()
-        self.stepped = set()
         if self.scaler is None:
             for opt in self.optimizers.values():
                 opt.step()
-            return
+            self.stepped = set(self.optimizers)
+            return self._stepped()
+        if scaler_state(self.scaler, self):  # `accelerator.prepare(optimizer)`: its scaler unscaled us already
+            raise RuntimeError("fp16: step the plugin's optimizer itself, not the one accelerator.prepare returns: it "
+                               "unscales and steps every module's optimizer through the one GradScaler (a second "
+                               "unscale would divide the gradients by the scale twice)")
         self.unscale_()
         found_inf = share_found_inf(self.scaler, list(self.optimizers.values()))
+        self.stepped = set()
         if not found_inf.item():  # fp16's one host read per step (torch's scaler.step reads once per optimizer)
             for opt in self.optimizers.values():
                 opt.step()  # gradients unscaled already: fused optimizers step as they would outside fp16
+            self.stepped = set(self.optimizers)
         self.scaler.update()  # every rank and optimizer handed the same found-inf: the scale moves alike
         self.unscaled = False
+        self._stepped()
+
+    def _stepped(self) -> None:
+        for callback in self.after_step:
+            callback()
 
     def zero_grad(self, set_to_none: bool = True):
         for opt in self.optimizers.values():

@@ -185,9 +185,9 @@ class OmniPlugin:
     def build_optimizers(self, num_training_steps: int | None) -> None:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.args, num_training_steps, self.scaler)
-        self.optimizer.before_step = self.checkpointer.fence
         self.profile.close()  # a second run: fresh hooks, counting the new optimizers' steps
-        self.profile = ModuleProfile(self.model.slots, self.prepared.device, self.optimizer.optimizers.values())
+        self.profile = ModuleProfile(self.model.slots, self.prepared.device)
+        self.optimizer.before_step, self.optimizer.after_step = self.checkpointer.fence, [self.profile.stepped]
 
     def module_bytes(self) -> dict[str, dict]:  # parameters, gradients, optimizer state, masters (module_bytes.py)
         return module_bytes(self._slots(), self.optimizer)

@@ -38,6 +38,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from .compat import queue_backward_callback
 
 
+FOLD_AFTER = 256  # calls of a module held before the finished ones are folded into milliseconds
+
+
 class HostEvent:
     """A CUDA event's interface over `time.perf_counter()` (CPU runs: the host clock is the device clock)."""
 
@@ -51,6 +54,9 @@ class HostEvent:
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return self.at is not None
 
     def elapsed_time(self, end: "HostEvent") -> float:
         """Milliseconds from this event to `end`, as `torch.cuda.Event.elapsed_time`."""
@@ -97,6 +103,7 @@ class ModuleTimer:
     def __init__(self, name: str, module: torch.nn.Module, profile: "ModuleProfile"):
         self.name, self.profile = name, profile
         self.calls: list[Call] = []
+        self.folded = 0.0  # milliseconds of calls folded since the last read
         self.open: list[Call | None] = []  # forwards in progress (None: one not recorded)
         self.in_backward = 0  # this module's backward passes running now (a forward meanwhile is a recompute)
         self.handles = [
@@ -142,10 +149,27 @@ class ModuleTimer:
         call.backward_end = self.profile.mark()
         self.in_backward = max(0, self.in_backward - 1)
 
+    @staticmethod
+    def call_pairs(call: Call) -> list[tuple]:
+        """A call's (start, end) marks: its forward, and its backward once that ended."""
+        return [tuple(call.forward)] + ([(call.backward_start, call.backward_end)] if call.backward_end else [])
+
     def pairs(self) -> list[tuple]:
         """The (start, end) marks of every finished forward and backward since the last read."""
-        out = [tuple(c.forward) for c in self.calls]
-        return out + [(c.backward_start, c.backward_end) for c in self.calls if c.backward_end is not None]
+        return [pair for call in self.calls for pair in self.call_pairs(call)]
+
+    def fold(self) -> None:
+        """After an optimizer step (every backward of it over): calls whose marks the device has passed
+        (`query()`, no wait) become milliseconds in `folded` and their marks are dropped, so a run that logs rarely
+        holds a bounded number of marks."""
+        kept = []
+        for call in self.calls:
+            pairs = self.call_pairs(call)
+            if all(mark.query() for pair in pairs for mark in pair):
+                self.folded += sum(start.elapsed_time(end) for start, end in pairs)
+            else:
+                kept.append(call)
+        self.calls = kept
 
     def close(self) -> None:
         for handle in self.handles:
@@ -174,19 +198,16 @@ NOT_TRAINING = NotTraining()
 class ModuleProfile:
     """Timing hooks on every live module of `slots` (name -> `ModuleSlot`); `logs()` at logging steps.
 
-    `count_steps(optimizers)` counts optimizer steps (a step post-hook on one of the modules' optimizers, which
-    all step together); `logs()` divides each module's time since the last call by them."""
+    `stepped()` counts optimizer steps (`ModuleOptimizers.after_step`: every step, an fp16 one it skipped too);
+    `logs()` divides each module's time since the last call by them."""
 
-    def __init__(self, slots: dict, device, optimizers=None):
+    def __init__(self, slots: dict, device):
         self.new_event = event_factory(device)
         self.last = None  # the last mark recorded: what `logs()` synchronises on
         self.steps = 0
-        self.step_handle = None
         self.trained = [slot.module for slot in slots.values() if slot.trains and slot.kind != "offline"]
         self.timers = {name: ModuleTimer(name, slot.module, self) for name, slot in slots.items()
                        if slot.kind != "offline" and not any(p.is_meta for p in slot.module.parameters())}
-        if optimizers is not None:
-            self.count_steps(optimizers)
 
     def training(self) -> bool:
         """Some trained module is in training mode (Trainer's `model.eval()` for evaluation turns them all off)."""
@@ -198,17 +219,12 @@ class ModuleProfile:
         self.last = event
         return event
 
-    def count_steps(self, optimizers) -> None:
-        """Count the optimizer steps of `optimizers` (the modules' optimizers; again after they are rebuilt)."""
-        if self.step_handle is not None:
-            self.step_handle.remove()
-        first = next(iter(optimizers), None)
-        self.step_handle = first.register_step_post_hook(self.stepped) if first is not None else None
-
     def stepped(self, *_) -> None:
         self.steps += 1
         for timer in self.timers.values():  # every backward of the step is over
             timer.in_backward = 0
+            if len(timer.calls) > FOLD_AFTER:
+                timer.fold()
 
     def logs(self) -> dict[str, float]:
         """`{"time/<module>": mean seconds of forward + backward per optimizer step}` since the last call, then
@@ -219,9 +235,9 @@ class ModuleProfile:
             self.last.synchronize()
         out = {}
         for name, timer in self.timers.items():
-            milliseconds = sum(start.elapsed_time(end) for start, end in timer.pairs())
+            milliseconds = timer.folded + sum(start.elapsed_time(end) for start, end in timer.pairs())
             out[f"time/{name}"] = milliseconds / 1000.0 / self.steps
-            timer.calls = []
+            timer.calls, timer.folded = [], 0.0
         self.steps, self.last = 0, None
         return out
 
@@ -229,6 +245,4 @@ class ModuleProfile:
         """Every hook removed (the end of training)."""
         for timer in self.timers.values():
             timer.close()
-        if self.step_handle is not None:
-            self.step_handle.remove()
-        self.timers, self.step_handle = {}, None
+        self.timers = {}

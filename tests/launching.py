@@ -40,13 +40,16 @@ def launch(script: str, *args: str, processes: int = 2, timeout: int = 600, env_
 
 
 def end_distributed(code: int = 0) -> None:
-    """Exits a launched script after destroying its process groups, as torch asks of every program: a gloo group
-    left for the interpreter's teardown may still hold work whose tensors refer to Python objects, and freeing
-    them then aborts the process (SIGABRT, "terminate called without an active exception") instead of exiting with
-    CODE. Only for a point every rank reaches (success, or an error every rank raised): a rank that destroys while
-    another is still in a collective would wait for it."""
+    """Ends a launched script: its process groups destroyed (as torch asks of every program), then the process left
+    with `os._exit(CODE)`, skipping the interpreter's teardown. There gloo's threads and work objects are freed in
+    no set order, and a rank aborts now and then (SIGABRT, "terminate called without an active exception", seen
+    with and without the destroy) instead of exiting with CODE. Only for a point every rank reaches (success, or an
+    error every rank raised): a rank that destroys while another is still in a collective would wait for it. What
+    the script wrote is flushed first."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -63,16 +63,39 @@ def test_an_inf_in_one_module_skips_every_module_and_every_scheduler(poison):
 def test_every_optimizer_is_handed_the_same_combined_answer():
     """What torch's scaler reads for each optimizer after hf_omni combined them: one tensor per optimizer, all with
     the sum of every module's found-inf (the poisoned module's alone would leave the other's at 0)."""
-    from hf_omni.compat import scaler_found_infs
+    from hf_omni.compat import scaler_state
     from hf_omni.gradients import share_found_inf
 
     model, plugin, scaler, optimizer, scheduler, batch = prepared()
     scaler.scale(model(**batch).loss).backward()
     next(p for p in model.projector.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
     optimizer.unscale_()
-    mine = {n: sum(t.item() for t in scaler_found_infs(scaler, o).values()) for n, o in optimizer.optimizers.items()}
+    mine = {n: sum(t.item() for t in scaler_state(scaler, o)["found_inf_per_device"].values()) for n, o in optimizer.optimizers.items()}
     assert mine == {"projector": 1.0, "llm": 0.0}, mine
     share_found_inf(scaler, list(optimizer.optimizers.values()))
-    shared = [scaler_found_infs(scaler, o) for o in optimizer.optimizers.values()]
+    shared = [scaler_state(scaler, o)["found_inf_per_device"] for o in optimizer.optimizers.values()]
     assert [[t.item() for t in d.values()] for d in shared] == [[1.0], [1.0]]
     assert shared[0][torch.device("cpu")] is not shared[1][torch.device("cpu")]  # update() adds them in place
+
+
+def test_fp16_through_accelerate_prepared_optimizer_is_refused_before_a_wrong_step():
+    """`accelerator.prepare(optimizer)` under fp16: Accelerate's scaler unscales the composite, which would then
+    unscale each module's optimizer again (gradients divided by the scale twice): refused, nothing stepped."""
+    model, plugin, scaler, optimizer, scheduler, batch = prepared()
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    wrapped = AcceleratedOptimizer(optimizer, scaler=scaler)
+    before = trained(model)
+    scaler.scale(model(**batch).loss).backward()
+    with pytest.raises(RuntimeError, match="step the plugin's optimizer itself"):
+        wrapped.step()
+    assert all(torch.equal(before[n], p) for n, p in trained(model).items())
+
+
+def test_a_step_where_no_module_has_gradients_updates_the_scale():
+    """fp16, no gradient anywhere (a text-only batch with only the projector trained): every optimizer is handed a
+    found-inf of 0, so torch's update() has its inf checks."""
+    model, plugin, scaler, optimizer, scheduler, batch = prepared()
+    scaler.scale(model(**batch).loss)  # no backward: no module has a gradient
+    optimizer.step()
+    assert optimizer.stepped == {"projector", "llm"} and scaler.get_scale() == 1024.0

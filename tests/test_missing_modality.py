@@ -61,7 +61,6 @@ def stub_exchange(model, monkeypatch) -> dict:
         slot.trains = True
         slot.wrapped(DdpStrategy({}))
     monkeypatch.setattr(missing, "world_size", lambda: 2)
-    monkeypatch.setattr(missing, "comm_device", lambda prepared: torch.device("cpu"))
 
     def shared_shapes(module, method, values, error=None):
         if error is not None:  # as every rank would, once the exchange carried it

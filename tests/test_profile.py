@@ -287,3 +287,32 @@ def test_a_copy_of_a_profiled_module_is_not_timed(tmp_path):
     model(**batch).loss.backward()
     assert len(plugin.profile.timers["projector"].calls) == 1  # the original still is
     plugin.close()
+
+
+def test_a_run_that_logs_rarely_holds_a_bounded_number_of_marks(tmp_path, monkeypatch):
+    """Finished calls are folded into milliseconds after each step once a module holds more than FOLD_AFTER: the
+    logged time is the same as when every mark is kept."""
+    import hf_omni.profile as profile
+
+    def run(fold_after: int, name: str):
+        monkeypatch.setattr(profile, "FOLD_AFTER", fold_after)
+        model = tiny_model()
+        timed = Timed(model.projector, forward_s=0.01, backward_s=0.0)
+        args = make_args(tmp_path / name, max_steps=6, logging_steps=6, modules=FROZEN_VISION)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48))
+        held = []
+        original = profile.ModuleProfile.stepped
+
+        def stepped(self, *a):
+            original(self, *a)
+            held.append(len(self.timers["projector"].calls))
+
+        monkeypatch.setattr(profile.ModuleProfile, "stepped", stepped)
+        trainer.train()
+        return held, logged(trainer)[0]["time/projector"], timed.per_step(range(6), calls_per_step=1)
+
+    held, folded, independent = run(1, "folded")
+    assert max(held) <= 2 and held[-1] <= 2, held  # without folding: 1, 2, ..., 6
+    assert_close_above(folded, independent, "projector")
+    kept, whole, _ = run(10_000, "kept")
+    assert kept == [1, 2, 3, 4, 5, 6]

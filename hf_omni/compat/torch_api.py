@@ -36,15 +36,24 @@ def queue_backward_callback(callback) -> None:
     resolve("torch.autograd.Variable._execution_engine").queue_callback(callback)
 
 
-def scaler_found_infs(scaler, optimizer) -> dict:
-    """The found-inf tensors (device -> tensor) that `GradScaler.unscale_(optimizer)` recorded and that its `step`
-    and `update` read: the dict itself, so a caller can make every optimizer see the same answer."""
+def scaler_state(scaler, optimizer) -> dict:
+    """What torch's GradScaler keeps for `optimizer` since its last `update()` (`{}`: nothing yet; after
+    `unscale_`, `found_inf_per_device`: device -> tensor, the dict its `step` and `update` read)."""
     resolve("torch.amp.grad_scaler._refresh_per_optimizer_state")
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-    if "found_inf_per_device" not in state:
-        raise MissingInternalError("hf_omni relies on torch's GradScaler keeping `found_inf_per_device` per optimizer "
-                                   "in `_per_optimizer_states` after `unscale_`, which the installed torch does not")
-    return state["found_inf_per_device"]
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise MissingInternalError("hf_omni relies on torch's GradScaler keeping `_per_optimizer_states`, which the "
+                                   "installed torch does not")
+    return states[id(optimizer)] if id(optimizer) in states else {}
+
+
+def scaler_device(scaler) -> torch.device:
+    """The device of the scaler's scale (the same on every rank)."""
+    device = getattr(scaler, "_device", None)
+    if device is None:
+        raise MissingInternalError("hf_omni relies on torch's GradScaler keeping its device in `_device`, which the "
+                                   "installed torch does not")
+    return torch.device(device)
 
 
 def dcp_sharding_info_key() -> str:

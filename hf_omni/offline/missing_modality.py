@@ -35,11 +35,10 @@ import torch
 
 from ..compat import queue_backward_callback
 from ..dist import world_size
-from ..dtypes import CODES
-from .ragged import empty_form, stand_in
+from .exchange import broadcast_row, shared_shapes
+from .ragged import empty_form, items_of, stand_in
 from .spec import class_encoders
 
-MAX_DIMS = 8
 PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 0-row outputs its forward must keep
 CACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {offline module: (shape, dtype) | None}
 WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: a sample it ran on, this window}
@@ -68,8 +67,10 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
         if spec.module not in CACHED.get(model, {}):
             raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
         row = CACHED[model][spec.module]  # (shape, dtype) of another rank's outputs, or None
-        if row is None or spec.ragged:
-            return row and empty_form(spec, row[0][1:], row[1], prepared.device)
+        if row is None:
+            return None
+        if spec.ragged:
+            return empty_form(spec, row[0][1:], row[1], prepared.device)
         return torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
     donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, error=error)
     if spec.ragged and not everyone and donor_rank is not None:  # every rank knows the same: all raise
@@ -79,11 +80,20 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
                          "serve the module from its offline cache")
     sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
     if present:
-        in_window(model, spec, {c: inputs[c][:1].detach().clone() for c in spec.inputs})
-        return tensor_output(spec, fn(*bound.args, **bound.kwargs))
+        in_window(model, spec, {} if spec.ragged else {c: inputs[c][:1].detach().clone() for c in spec.inputs})
+        out = fn(*bound.args, **bound.kwargs)
+        if spec.ragged:
+            items_of(spec, out)  # in its declared form
+            return out
+        return tensor_output(spec, out)
     sample = in_window(model, spec, sample)
     if sample is None:  # no rank has an input (and no window to close): skipped everywhere
         return None
+    if spec.ragged:  # a window that ran it ends with no input anywhere, and no dummy: every rank raises alike
+        raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs and ran earlier in this "
+                         "accumulation window, but no rank has its inputs at the window's last micro-step: no dummy "
+                         "can join the gradient reduction. Give each window's last micro-batch its inputs, or serve "
+                         "the module from its offline cache")
     for column, row in sample.items():
         bound.arguments[column] = torch.cat([row, row]).to(prepared.device)
     return dummy_rows(model, spec, fn, bound)
@@ -141,72 +151,6 @@ def runs_collectives(model) -> bool:
     prepared = getattr(model, "prepared", None)
     return prepared is not None and world_size() > 1 and any(
         slot.strategy is not None and slot.strategy.collective for slot in model.slots.values())
-
-
-def comm_device(prepared) -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cpu") if str(dist.get_backend()) == "gloo" else prepared.device
-
-
-def shared_shapes(module: str, method: str, values: dict, error: Exception | None = None
-                  ) -> tuple[dict, int | None, bool]:
-    """One all-gather of host metadata on hf_omni's gloo side group (`dist.all_gather_host`: no device memory is
-    read): per column, the shape and dtype of the first rank that has a value for it (or None); that rank; and
-    whether every rank has every value. A rank whose inputs are wrong (`error`, or a value that is no tensor of a
-    known dtype) says so in the same all-gather, and every rank then raises the same error, naming the module and
-    that rank."""
-    import torch.distributed as dist
-
-    from ..dist import all_gather_host, checkpoint_group
-
-    problem = None if error is None else str(error)
-    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(values) + 1)]  # the last row: this rank's error flag
-    for i, (column, value) in enumerate(values.items()):
-        if problem is not None:
-            break
-        if value is None or (isinstance(value, torch.Tensor) and not len(value)):
-            continue
-        if not isinstance(value, torch.Tensor) or value.dtype not in CODES or not 1 <= value.ndim <= MAX_DIMS:
-            problem = (f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims with a "
-                       f"dtype in {[str(d) for d in CODES]}, got {getattr(value, 'dtype', type(value).__name__)} "
-                       f"{tuple(getattr(value, 'shape', ()))}")
-            break
-        mine[i][:3 + value.ndim] = [1, CODES.index(value.dtype), value.ndim, *value.shape]
-    mine[-1][0] = int(problem is not None)
-    group = checkpoint_group()
-    everyone = all_gather_host(mine, group)  # [rank][row][field], Python ints
-    failed = [r for r, rows in enumerate(everyone) if rows[-1][0] == 1]
-    if failed:  # every rank knows: the messages follow, on every rank alike
-        messages = [None] * world_size()
-        dist.all_gather_object(messages, problem, group=group)
-        raise ValueError(f"{messages[failed[0]]} (on rank {failed[0]}; every rank raises this)")
-    have = [[row[0] == 1 for row in rows[:-1]] for rows in everyone]
-    donors = {column: None for column in values}
-    for i, column in enumerate(values):
-        first = next((r for r, has in enumerate(have) if has[i]), None)
-        if first is not None:
-            row = everyone[first][i]
-            donors[column] = (tuple(row[3:3 + row[2]]), CODES[row[1]])
-    ranks = [r for r, has in enumerate(have) if all(has)]
-    return donors, (ranks[0] if ranks else None), all(all(has) for has in have)
-
-
-def broadcast_row(donors: dict, donor_rank: int | None, inputs: dict, prepared) -> dict | None:
-    """Row 0 of each input of the first rank that has them, on every rank (one broadcast per input)."""
-    import torch.distributed as dist
-
-    if donor_rank is None:
-        return None
-    device, rows = comm_device(prepared), {}
-    for column, (shape, dtype) in donors.items():
-        if dist.get_rank() == donor_rank:
-            row = inputs[column][:1].to(device).contiguous()
-        else:
-            row = torch.empty((1, *shape[1:]), dtype=dtype, device=device)
-        dist.broadcast(row, src=donor_rank)
-        rows[column] = row
-    return rows
 
 
 def before_forward(model, args: tuple, kwargs: dict) -> None:
