@@ -32,3 +32,16 @@ def test_one_rank_with_wrong_inputs_fails_every_rank_with_the_same_error(tmp_pat
     first, second = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
     assert first == second, (first, second)
     assert first.startswith(CASES[mode][0]) and first.endswith(CASES[mode][1]), first
+
+
+def test_a_ragged_entry_point_with_inputs_on_every_rank_runs(tmp_path):
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "mp_exchange.py"), "ragged_everywhere",
+                                       str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["no error"] * 2

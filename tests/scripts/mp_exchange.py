@@ -1,7 +1,7 @@
 """Inputs to an entry point wrong on one rank, at 2 ranks started as plain processes (RANK / WORLD_SIZE /
 MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partial`) or a list for them (MODE
 `not_a_tensor`), or no pixels to an entry point with ragged outputs (MODE `ragged`: no dummy can be built; rank 0
-has pixels). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
+has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
 
 Usage: mp_exchange.py MODE OUT_DIR"""
 
@@ -42,12 +42,12 @@ def main(mode: str, out_dir: str):
     vision = ResNetModel(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[16], depths=[1],
                                       layer_type="basic"))
     plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}}, defaults={"learning_rate": 1e-3})
-    cls = RaggedTower if mode == "ragged" else Tower
+    cls = RaggedTower if mode.startswith("ragged") else Tower
     model, _, _ = plugin.prepare(Accelerator(cpu=True), cls.from_modules({"vision": vision}), num_training_steps=2)
     pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
     if rank == 1 and mode == "ragged":
         pixels, mask = None, None
-    elif rank == 1:
+    elif rank == 1 and mode in ("partial", "not_a_tensor"):
         mask = None if mode == "partial" else [[1.0]] * 2
     try:
         model(pixel_values=pixels, mask=mask)["loss"].backward()
