@@ -74,3 +74,4 @@ def test_one_process_serves_batches_of_one_modality(tmp_path):
     batches = list(trainer.get_train_dataloader())
     assert len(batches) == 6 and {("pixel_values" in b) for b in batches} == {True, False}
     assert all(len(b["input_ids"]) == 4 and ("pixel_values" not in b or len(b["pixel_values"]) == 4) for b in batches)
+

@@ -61,3 +61,11 @@ def test_grouped_by_modality_every_step_agrees_on_its_modalities(results):
     first, second = (facts["seen"] for facts in results["grouped"])
     assert all(facts["steps"] == 8 for facts in results["grouped"])
     assert first == second and len(first) == 8 and set(first) == {True, False}, (first, second)
+
+
+def test_grouped_by_modality_a_resume_in_epoch_1_serves_epoch_1s_order(results):
+    for facts in results["grouped"]:
+        straight, resumed = facts["resume"]["straight"], facts["resume"]["resumed"]
+        assert sorted(straight) == sorted(resumed) == ["8", "9"] or sorted(straight) == sorted(resumed) == [8, 9]
+        assert [resumed[k] for k in sorted(resumed)] == pytest.approx([straight[k] for k in sorted(straight)],
+                                                                      abs=1e-6)

@@ -4,6 +4,8 @@ batch carry the same modalities on every rank (`offline.modality_sampler`)."""
 
 from __future__ import annotations
 
+from transformers import TrainerCallback
+
 from ..dist import checkpoint_group
 from ..offline.modality_sampler import modality_sampler
 from ..offline.ragged import ServedCollator
@@ -31,6 +33,23 @@ class TrainingDataMixin:
         if not self.args.group_by_modality:
             return super()._get_train_sampler(train_dataset)
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return modality_sampler(self.model, dataset, self.args.per_device_train_batch_size, self.args.world_size,
-                                self.args.seed, shuffle=self.args.train_sampling_strategy != "sequential",
-                                group=checkpoint_group(self.args.ddp_timeout))
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = modality_sampler(self.model, dataset, self._train_batch_size, self.args.world_size, seed,
+                                   shuffle=self.args.train_sampling_strategy != "sequential",
+                                   group=checkpoint_group(self.args.ddp_timeout))
+        epochs = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, SamplerEpoch)), None)
+        if epochs is None:
+            self.add_callback(epochs := SamplerEpoch())
+        epochs.sampler = sampler
+        return sampler
+
+
+class SamplerEpoch(TrainerCallback):
+    """The epoch of the modality sampler at each epoch's start. Trainer's own `set_epoch` does not reach it after a
+    resume has skipped batches (the skipping sampler wraps it), which would replay epoch 0's order."""
+
+    sampler = None
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.sampler is not None:
+            self.sampler.set_epoch(int(state.epoch or 0))  # whole at an epoch's start; a resumed one's is within it

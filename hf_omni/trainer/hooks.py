@@ -41,7 +41,8 @@ TRAINER_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "_finish_current_push": (CALLS, ("self",)),
 }
 # instance attributes of Trainer that OmniTrainer reads or sets (each must still be one Trainer's code uses)
-TRAINER_ATTRIBUTES = ("model_wrapped", "callback_handler", "push_in_progress", "label_smoother", "hub_model_id")
+TRAINER_ATTRIBUTES = ("model_wrapped", "callback_handler", "push_in_progress", "label_smoother", "hub_model_id",
+                      "_train_batch_size")
 
 
 @functools.cache

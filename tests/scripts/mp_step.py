@@ -108,7 +108,25 @@ def grouped(out_dir: str) -> dict:
     trainer = OmniTrainer(model=model, args=args, train_dataset=mixed_modality.MixedCaptions(model, has_image),
                           data_collator=mixed_modality.collate)
     trainer.train()
-    return {"seen": model.seen, "steps": trainer.state.global_step}
+    return {"seen": model.seen, "steps": trainer.state.global_step, "resume": grouped_resume(out_dir)}
+
+
+def grouped_resume(out_dir: str) -> dict:
+    """Resumed mid-epoch 1 (6 steps an epoch): the rest of epoch 1 in epoch 1's order, so the straight run's
+    losses (Trainer's skipping sampler does not pass the epoch on)."""
+    def run(name: str, resume: str | None = None) -> dict:
+        model = mixed_modality.mixed_model()
+        args = helpers.make_args(os.path.join(out_dir, name), modules=MODULES, per_device_train_batch_size=2,
+                                 max_steps=9, group_by_modality=True, train_sampling_strategy="random",
+                                 save_strategy="steps", save_steps=7)
+        trainer = OmniTrainer(model=model, args=args, train_dataset=mixed_modality.MixedCaptions(
+            model, [i % 3 != 1 for i in range(24)]), data_collator=mixed_modality.collate)
+        trainer.train(resume_from_checkpoint=resume)
+        return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and e["step"] > 7}
+
+    straight = run("grouped_straight")
+    return {"straight": straight, "resumed": run("grouped_resumed", os.path.join(out_dir, "grouped_straight",
+                                                                             "checkpoint-7"))}
 
 
 def offload(out_dir: str) -> dict:
