@@ -45,14 +45,13 @@ def test_an_overflow_on_one_rank_alone_skips_every_module_on_every_rank(results)
 
 def test_offloaded_module_clips_with_the_resident_ones_and_trains_the_same(results):
     """cpu_offload (CPU: unpinned host memory), global clipping across an offloaded and a resident module, built
-    and with empty_init: the resident run's losses, norms and weights; the shards on the CPU, buffers on the compute
-    device."""
+    and with empty_init: the resident run's losses, norms and weights. (Where shards and buffers live is checked
+    on a GPU by bench/gpu_check.py: on a CPU-only machine both are the CPU.)"""
     for facts in results["offload"]:
         assert facts["resident"]["norms"] and max(n[0] for n in facts["resident"]["norms"]) > 0.05  # clipping active
         for name in ("offloaded", "offloaded_empty_init"):
             run = facts[name]
             assert run["loss_diff"] <= 1e-6 and run["norm_diff"] <= 1e-6 and run["weight_diff"] <= 1e-6, (name, run)
-            assert run["shards"] == ["cpu"] and run["buffers"] == [run["compute"]], (name, run)
 
 
 def test_grouped_by_modality_every_step_agrees_on_its_modalities(results):

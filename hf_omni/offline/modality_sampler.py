@@ -91,11 +91,14 @@ class ModalityGroupedSampler(torch.utils.data.Sampler):
 def modality_sampler(model, dataset, per_device_batch: int, world: int, seed: int, shuffle: bool,
                      group=None) -> ModalityGroupedSampler:
     """The sampler for `dataset` and `model`'s entry points; the rows' modalities read by rank 0 and broadcast."""
-    from ..dist import broadcast_from_main, is_main
+    from ..dist import agreed, broadcast_from_main, is_main
     from .spec import class_encoders
 
     columns = {s.module: list(s.inputs) + [s.output] for s in class_encoders(type(model))}
     if not columns:
         raise ValueError("group_by_modality: the model has no @offline_encoder entry point, so no modality to group by")
-    keys = broadcast_from_main(row_modalities(dataset, columns) if is_main() else None, group)
+    keys = None
+    with agreed("group_by_modality: reading the rows' modalities", group):  # rank 0's error raised on every rank
+        keys = row_modalities(dataset, columns) if is_main() else None
+    keys = broadcast_from_main(keys, group)
     return ModalityGroupedSampler(keys, per_device_batch * world, seed=seed, shuffle=shuffle)

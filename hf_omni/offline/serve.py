@@ -42,6 +42,11 @@ class CachedRows(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.source)
 
+    @property
+    def modalities(self):
+        """The source's `modalities` (`group_by_modality`): a row has a cached output where it had the inputs."""
+        return getattr(self.source, "modalities", None)
+
     def __getitem__(self, index):
         return self.__getitems__([index])[0]
 

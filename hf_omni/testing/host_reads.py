@@ -26,6 +26,7 @@ COPIES = {aten._to_copy.default, aten.copy_.default}
 PACKAGE = os.path.dirname(os.path.abspath(hf_omni.__file__)) + os.sep
 TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 TESTING = os.path.join(PACKAGE, "testing") + os.sep
+STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep  # contextlib, functools, ...: see through them
 OPTIMIZERS = os.path.join(TORCH, "optim") + os.sep  # an optimizer's own step: its choice (torch keeps AdamW's step
 # counts on the host unless capturable, so on a GPU its `.item()`s read no device memory)
 EXCLUDED = {("dist.py", "all_gather_host"), ("trainer.py", "log"), ("plugin.py", "log_metrics")}
@@ -51,7 +52,8 @@ def owner() -> str | None:
             return None
         if found is None and path.startswith(OPTIMIZERS):
             return None
-        if found is None and not path.startswith(TORCH) and path != os.path.abspath(__file__):
+        through = path.startswith(TORCH) or (path.startswith(STDLIB) and "site-packages" not in path)
+        if found is None and not through and path != os.path.abspath(__file__):
             if not path.startswith(PACKAGE) or path.startswith(TESTING):
                 return None
             found = f"{os.path.relpath(path, os.path.dirname(PACKAGE.rstrip(os.sep)))}:{frame.f_lineno} ({frame.f_code.co_name})"
