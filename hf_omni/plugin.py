@@ -33,7 +33,7 @@ from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
-from .gradients import clip_grad_norms
+from .gradients import clip_grad_norms, fp16_scaler
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .parallel.fsdp import MODEL_SCOPE
@@ -157,7 +157,7 @@ class OmniPlugin:
             self.prepare_modules(accelerator, model)
         elif model is not self.model:
             raise RuntimeError("OmniPlugin.prepare: the plugin prepared another model's modules")
-        self.scaler = getattr(accelerator, "scaler", None)  # fp16: the Accelerator's GradScaler, shared
+        self.scaler = fp16_scaler(accelerator, model.slots)  # fp16: the Accelerator's GradScaler, shared
         self.build_optimizers(num_training_steps)
         log_bytes_table(self.module_bytes())  # once, on rank 0
         model.train()

@@ -41,6 +41,7 @@ def test_an_overflow_on_one_rank_alone_skips_every_module_on_every_rank(results)
         assert poisoned["changed"] == [] and poisoned["stepped"] == [] and poisoned["schedulers_stepped"] == [], rank
         assert poisoned["scale"] == first["scale"] / 2, rank
         assert {n.split(".")[0] for n in after["changed"]} == trained and after["schedulers_stepped"] == sorted(trained)
+        assert "modules.llm.fsdp_plugin.cpu_offload" in facts["offload_refused"], facts["offload_refused"]
 
 
 def test_offloaded_module_clips_with_the_resident_ones_and_trains_the_same(results):

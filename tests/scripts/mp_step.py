@@ -184,7 +184,16 @@ def fp16(out_dir: str) -> dict:
                           "stepped": sorted(optimizer.stepped),
                           "schedulers_stepped": sorted(n for n, s in scheduler.schedulers.items()
                                                        if s.last_epoch != epochs[n])})
-    return {"steps": facts, "host_reads": reads.found}
+    refused = None
+    try:  # fp16 with an offloaded FSDP module: refused, naming the module and key
+        offloaded = OmniPlugin(modules={"vision": {"trainable": False}, "llm": {"parallel": "fsdp", "fsdp_plugin": {
+            "cpu_offload": True}}}, defaults={"learning_rate": 1e-3})
+        fresh = Accelerator(cpu=True)  # after the plugin: its TrainingArguments reset Accelerate's state
+        fresh.scaler = torch.amp.GradScaler("cpu")
+        offloaded.prepare(fresh, helpers.tiny_model(), num_training_steps=4)
+    except ValueError as err:
+        refused = str(err)
+    return {"steps": facts, "host_reads": reads.found, "offload_refused": refused}
 
 
 def main(out_dir: str):
