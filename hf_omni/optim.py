@@ -82,7 +82,7 @@ class ModuleOptimizers(torch.optim.Optimizer):
 
     A `torch.optim.Optimizer` (its own constructor is not run: the modules' optimizers hold the parameters), so
     that `accelerator.prepare` wraps it as it wraps any optimizer and `accelerator.accumulate()` skips its `step` /
-    `zero_grad` on the micro-steps that do not sync."""
+    `zero_grad` on the micro-steps that do not sync (not under fp16: Accelerate's scaler would unscale it first)."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], modules: dict[str, nn.Module], scaler=None):
         self.optimizers, self.modules = dict(optimizers), dict(modules)
