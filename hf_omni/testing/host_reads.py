@@ -1,7 +1,7 @@
 """Host reads of device memory made by hf_omni's own code, counted by a `TorchDispatchMode`.
 
 A read that waits for the device — `.item()`, `bool()` / `float()` of a tensor (`aten._local_scalar_dense`),
-`is_nonzero`, `nonzero`, `equal`, or a copy from another device to the CPU — is a host–device synchronisation on a GPU. Each one is attributed to the innermost Python frame
+`is_nonzero`, `nonzero`, `equal`, a copy from another device to the CPU, or `Tensor.tolist()` / `.numpy()` — is a host–device synchronisation on a GPU. Each one is attributed to the innermost Python frame
 outside torch: when that frame is in hf_omni (not `hf_omni/testing`), hf_omni made it; a read inside a model's own
 code or Trainer's is theirs. Not counted: reads under `hf_omni.dist.all_gather_host` (per-step metadata built on
 the host and read back as Python ints: host memory by construction) and under the logging hooks
@@ -70,6 +70,27 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.found: list[tuple[str, str]] = []
         self.others = 0
+
+    def __enter__(self):
+        """Also counts `Tensor.tolist()` and `Tensor.numpy()` (no aten op on a CPU tensor) while armed."""
+        self.patched = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, original in self.patched.items():
+            setattr(torch.Tensor, name, self.counting(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self.patched.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+    def counting(self, name: str, original):
+        def method(tensor, *args, **kwargs):
+            where = owner()
+            if where is not None:
+                self.found.append((f"Tensor.{name}", where))
+            return original(tensor, *args, **kwargs)
+
+        return method
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in READS or _to_host(func, args, kwargs):
