@@ -29,11 +29,11 @@ def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.
 
 def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | None,
                     device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`optimizer`: the `optim.ModuleOptimizers` of the modules. Each module's pre-clip gradient norm on `device`
-    (default: its first parameter's), and the combined one
-    sqrt(sum of squares). With `global_limit` every module is clipped to it by the combined norm; else each module
-    to its own limit (0: none). An offloaded module's CPU gradients are scaled by a norm on the accelerator: torch
-    copies that one number to the host (its optimizer steps there anyway)."""
+    """`optimizer`: the modules' `optim.ModuleOptimizers`. Each module's pre-clip gradient norm on `device` (default:
+    its first parameter's), and the combined one, sqrt(sum of squares). With `global_limit` every module is clipped
+    to it by the combined norm; else each module to its own limit (0: none). An offloaded module's CPU gradients
+    are scaled by a norm on the accelerator: torch copies that one number to the host (its optimizer steps there
+    anyway)."""
     from torch.nn.utils import clip_grads_with_norm_
 
     optimizer.unscale_()  # fp16: true gradients before norms and clipping

@@ -13,9 +13,8 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 from transformers.training_args import OptimizerNames
 
 from .arguments.module import ModuleArguments
-from .compat import decay_parameter_names
+from .compat import decay_parameter_names, scaler_state
 from .errors import OmniArgumentError
-from .compat import scaler_state
 from .gradients import share_found_inf
 
 
