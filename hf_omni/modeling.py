@@ -96,6 +96,12 @@ class OmniModel(PreTrainedModel):
                                        **hub_origin(module)))
         return cls(OmniConfig(modules=entries, omni_class=cls.__name__), modules=modules, processors=processors)
 
+    @classmethod
+    def from_model(cls, model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> "OmniModel":
+        """Adopt a released composite model as it is, `modules` mapping names to attribute paths (`hf_omni.adopt`)."""
+        from .adopt.model import from_model
+        return from_model(model, pretrained, modules=modules, processor=processor, **kwargs)
+
     @property
     def module_names(self) -> list[str]:
         return self.config.module_names
@@ -185,9 +191,7 @@ class OmniModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,
                         device_map=None, dtype=None, merge_lora: bool = False, **kwargs) -> "OmniModel":
         """Rebuild the composed model from `save_pretrained` output (each module from its subfolder, or from its
-        recorded source when the subfolder is absent).
-
-        The eager build (one process, no process group; eval mode): `device_map` a device, `"auto"` (each module
+        recorded source when the subfolder is absent; an adopted model's folder: `adopt.model`). The eager build (one process, no process group; eval mode): `device_map` a device, `"auto"` (each module
         placed by transformers / Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`;
         LoRA modules keep their adapters unless `merge_lora=True` (merged by PEFT into plain weights).
         `empty_init=True` (training): modules are built on the meta device and remember their weights folder;
@@ -195,6 +199,9 @@ class OmniModel(PreTrainedModel):
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
+        if os.path.isfile(os.path.join(root, "hf_omni.json")):  # an adopted model, in its released format
+            from .adopt.model import AdoptedModel
+            return AdoptedModel.from_saved(root, **kwargs)
         hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
         if is_hub_id(root):  # a composition repo: its config, then exactly the module files it needs
             root, config, folders = download_composition(root, **hub)

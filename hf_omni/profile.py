@@ -35,6 +35,7 @@ import time
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from .adopt.parts import run_roots
 from .compat import queue_backward_callback
 
 
@@ -106,11 +107,10 @@ class ModuleTimer:
         self.folded = 0.0  # milliseconds of calls folded since the last read
         self.open: list[Call | None] = []  # forwards in progress (None: one not recorded)
         self.in_backward = 0  # this module's backward passes running now (a forward meanwhile is a recompute)
-        self.handles = [
-            module.register_forward_pre_hook(self.before_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self.watch_outputs, prepend=True),
-            module.register_forward_hook(self.after_forward, always_call=True),
-        ]
+        self.handles = [handle for unit in run_roots(module) for handle in (  # an adopted model's: what runs
+            unit.register_forward_pre_hook(self.before_forward, prepend=True, with_kwargs=True),
+            unit.register_forward_hook(self.watch_outputs, prepend=True),
+            unit.register_forward_hook(self.after_forward, always_call=True))]
 
     def before_forward(self, module, args, kwargs) -> None:
         if self.in_backward or not self.profile.training():

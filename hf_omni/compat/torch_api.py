@@ -21,12 +21,12 @@ def fsdp_lazy_init_root(module: nn.Module) -> None:
     module._get_fsdp_state()._lazy_init()
 
 
-def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
+def composable_replicate(module: nn.Module, device: torch.device, ddp_kwargs: dict, ignored_modules=None) -> nn.Module:
     """torch's composable, in-place `replicate` (DDP without a wrapper object), initialised now: parameters are
     broadcast from rank 0 before any method of the module runs."""
     replicate = resolve("torch.distributed._composable.replicate.replicate")
     kwargs = dict(ddp_kwargs, **({"device_id": device} if device.type != "cpu" else {}))
-    replicate(module, **kwargs)
+    replicate(module, ignored_modules=ignored_modules or None, **kwargs)
     replicate.state(module).lazy_init()
     return module
 

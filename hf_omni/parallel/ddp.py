@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import composable_replicate
+from ..adopt.parts import Part, run_roots
 from .strategy import Strategy, register
 
 
@@ -35,15 +36,25 @@ class DdpStrategy(Strategy):
     def apply(self, module: nn.Module, device: torch.device) -> None:
         """Initialised now: parameters are broadcast from rank 0 before any method of the module runs (the composed
         forward may call `get_input_embeddings()` before the module's own forward)."""
-        composable_replicate(module, device, self.ddp_kwargs)
-        buffers = [b for b in module.buffers() if b.numel()]
-        if self.ddp_kwargs.get("broadcast_buffers", True) and buffers:
-            broadcast_buffers(buffers)
-            module.register_forward_pre_hook(lambda mod, args: broadcast_buffers(buffers))
+        for root, carved in units(module):  # an adopted model's module: each of its released submodules
+            composable_replicate(root, device, self.ddp_kwargs, ignored_modules=carved)
+            skip = {id(b) for c in carved for b in c.buffers()}
+            buffers = [b for b in root.buffers() if b.numel() and id(b) not in skip]
+            if self.ddp_kwargs.get("broadcast_buffers", True) and buffers:
+                broadcast_buffers(buffers)
+                root.register_forward_pre_hook(lambda mod, args, buffers=buffers: broadcast_buffers(buffers))
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        self.module.set_requires_gradient_sync(enabled)
+        for root in run_roots(self.module):
+            root.set_requires_gradient_sync(enabled)
+
+
+def units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """(what is replicated, its submodules left to other modules) for a module or each root of a Part."""
+    if not isinstance(module, Part):
+        return [(module, [])]
+    return [(r.module, [r.module.get_submodule(c) for c in r.carved]) for r in module.omni_roots]
 
 
 def broadcast_buffers(buffers: list[torch.Tensor]) -> None:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compat import fsdp_lazy_init_root
+from ..adopt.nesting import apply_order
 from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
-from .fsdp import MODEL_SCOPE, FsdpStrategy
+from .fsdp import MODEL_SCOPE, FsdpStrategy, lazy_init_roots
 from .fsdp_settings import FsdpSettings
 from .mesh import Meshes, mesh_shape
 from .strategy import STRATEGIES, Strategy
@@ -75,6 +75,8 @@ def plan(slot: ModuleSlot, fsdp_scope: str) -> str:
 def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSettings) -> Prepared:
     """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped."""
     device = accelerator.device
+    if hasattr(model, "sync_parts"):  # an adopted model: submodules PEFT replaced, into the released model
+        model.sync_parts()
     live = [slot for slot in model.slots.values() if not slot.is_released]  # offline: on meta for good
     run_dtype = run_compute_dtype(accelerator)
     for slot in live:  # before anything is read, placed or wrapped (on the meta device too)
@@ -107,7 +109,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
         for slot in live:
             slot.wrapped(strategy)
     else:
-        for slot in live:
+        for slot in apply_order(live, kinds):  # adopted models: carved-out modules first
             mesh = meshes.get(shapes[slot.name]) if slot.name in shapes else None
             strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later)
             strategy.apply(slot.module, device)
@@ -120,5 +122,5 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
         fill_module(slot.module, folder, torch.device("cpu") if offload else device, name)
         if offload:  # ... and never moves buffers: they stay where compute runs, as after a placed module's wrap
             move_buffers(slot.module, device)
-        fsdp_lazy_init_root(slot.module)
+        lazy_init_roots(slot.module)
     return prepared

@@ -21,6 +21,7 @@ from torch import nn
 from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, no_split_modules, own_tensors
 from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
+from ..adopt.parts import Part, run_roots
 from .fsdp_settings import FsdpSettings
 from .strategy import Strategy, register
 
@@ -115,9 +116,10 @@ class FsdpStrategy(Strategy):
     def set_gradient_sync(self, enabled: bool) -> None:
         """`reshard_after_backward: false` also keeps the units gathered inside the window; the last micro-step
         reshards them."""
-        self.module.set_requires_gradient_sync(enabled)
-        if not self.settings.reshard_after_backward:
-            self.module.set_reshard_after_backward(enabled)
+        for unit in run_roots(self.module):
+            unit.set_requires_gradient_sync(enabled)
+            if not self.settings.reshard_after_backward:
+                unit.set_reshard_after_backward(enabled)
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return full_state_dict(module) if is_sharded(module) else module.state_dict()
@@ -147,10 +149,14 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
         policy = fsdp2_auto_wrap_policy(plugin, module)
     except ValueError as err:
         raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", str(err)) from None
+    roots = run_roots(module)
+    others = {id(m) for r in getattr(module, "omni_roots", ()) for c in r.carved
+              for m in r.module.get_submodule(c).modules()}  # carved-out: another module's to wrap
     if policy is not None:
-        for sub in get_module_children_bottom_up(module)[:-1]:
-            if policy(sub) and not isinstance(sub, FSDPModule):
-                fully_shard(sub, **kwargs)
+        for root in roots:
+            for sub in get_module_children_bottom_up(root)[:-1]:
+                if policy(sub) and not isinstance(sub, FSDPModule) and sub not in roots and id(sub) not in others:
+                    fully_shard(sub, **kwargs)
     embed = embeddings_of(module)
     grouped: dict[int, int] = {}  # module -> the first module of its unit, for units of several modules
     if embed is not None and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
@@ -158,13 +164,36 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
         fully_shard(holders, **kwargs)
         grouped.update((id(h), id(holders[0])) for h in holders)
     check_ties_within_units(module, name, grouped)
-    fully_shard(module, **kwargs)
+    if isinstance(module, Part):  # an adopted model's module: its released submodules are the units' roots
+        shard_part(module, kwargs)
+    else:
+        fully_shard(module, **kwargs)
     if lazy_init:
-        fsdp_lazy_init_root(module)
-    for method in FORWARD_METHODS:
-        if callable(getattr(module, method, None)):
-            register_fsdp_forward_method(module, method)
+        lazy_init_roots(module)
+    for root in roots:
+        for method in FORWARD_METHODS:
+            if callable(getattr(root, method, None)):
+                register_fsdp_forward_method(root, method)
     return module
+
+
+def shard_part(part: Part, kwargs: dict) -> None:
+    """Each path of an adopted model's module is a root unit (unless in a unit already: a tied `lm_head`), its
+    carved-out descendants' parameters left to their own module."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for root in part.omni_roots:
+        if not isinstance(root.module, FSDPModule):
+            ignored = set(kwargs.get("ignored_params") or ()) | root.carved_params()
+            fully_shard(root.module, **{**kwargs, "ignored_params": ignored or None})
+
+
+def lazy_init_roots(module: nn.Module) -> None:
+    """Initialise the FSDP state of each root of `module` now, unless it lies inside another module's FSDP root
+    (a carved-out module: the outer root initialises it)."""
+    for root in run_roots(module):
+        if not getattr(root, "omni_fsdp_nested", False):
+            fsdp_lazy_init_root(root)
 
 
 def holders_of(module: nn.Module, sub: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,1 @@
+"""Released composite models adopted as they are (`OmniModel.from_model`)."""

@@ -1,0 +1,54 @@
+"""An adopted model written in its released class's own format: the folder machinery of module exports
+(`modules.folder_plan` / `folder_write`) run on the released model itself, whose tensors are its modules' —
+so the keys are what the class's `save_pretrained` writes (transformers' save-time conversion, tied aliases
+dropped), each rank writes its own rows of sharded tensors in place, and LoRA is merged row by row."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from ..dist import agreed, checkpoint_group, is_main
+
+
+def merge_plan(model) -> dict | None:
+    """The row-by-row LoRA merge of every module with an adapter (`lora_merge.row_merge_plan`), keyed by the
+    released model's tensor names (a module's names are the released model's)."""
+    from ..modules.lora import lora_config_of
+    from ..modules.lora_merge import row_merge_plan
+
+    merge = {}
+    for name, slot in model.slots.items():
+        if lora_config_of(slot.module) is None:
+            continue
+        plan = row_merge_plan(slot.module)
+        if plan is None:
+            raise ValueError(f"module {name!r}: its LoRA layers cannot be merged row by row (LoRA on convolutions, "
+                             "several adapters, fan_in_fan_out): an adopted model's export holds merged weights only")
+        merge.update(plan)
+    return merge or None
+
+
+def export_original(model, folder: str, is_main_process: bool, max_shard_size) -> None:
+    """Every rank with sharded modules (each its rows); otherwise the main process alone."""
+    from ..modules.folder_plan import plan_folder
+    from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
+
+    released = model.released
+    dtypes = {k: v for slot in model.slots.values() for k, v in slot.export_dtypes.items()}
+    merge = merge_plan(model)
+    plan = plan_folder(released, dtypes, max_shard_size, merged=merge is not None)
+    write = functools.partial(write_module_folder, released, folder, plan, model.adopted_processor, dtypes=dtypes,
+                              merge=merge)
+    if not has_shards(released):
+        if is_main_process:
+            os.makedirs(folder, exist_ok=True)
+            remove_weight_files(folder)
+            write(solo=True)
+        return
+    with agreed(f"adopted model: preparing {folder}", checkpoint_group()):
+        if is_main():
+            os.makedirs(folder, exist_ok=True)
+            remove_weight_files(folder)
+    with agreed(f"adopted model: writing {folder}", checkpoint_group()):
+        write()

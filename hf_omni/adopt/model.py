@@ -1,0 +1,156 @@
+"""`OmniModel.from_model`: a released composite model (LLaVA, Qwen2.5-VL, ...) trained per module as it is.
+
+    model = OmniModel.from_model(LlavaForConditionalGeneration.from_pretrained(path), modules={
+        "vision": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "llm": ["model.language_model", "lm_head"]}, processor=AutoProcessor.from_pretrained(path))
+
+The released model's own `forward` and `generate` run unchanged; each module (`parts.Part`) is trained, wrapped,
+clipped and stepped as a composed model's is. `save_pretrained` writes what the released class's own
+`save_pretrained` writes (its config, generation config, processor and safetensors keys; LoRA merged into the
+weights), plus `hf_omni.json`: the `modules=` mapping and the class, so that `OmniModel.from_pretrained` of the
+folder adopts it again without the script. The folder loads with the released class alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import types
+
+from transformers import PreTrainedModel
+
+from ..config import ModuleEntry, OmniConfig
+from ..modeling import OmniModel
+from ..modules.classes import class_record, original_class, resolve_module_class
+from .inputs import check_same_inputs
+from .parts import build_parts, normalise, sync_into
+
+ADOPTED_FILE = "hf_omni.json"  # beside the released model's own files: the modules= mapping and its class
+
+
+class AdoptedModel(OmniModel):
+    """An `OmniModel` over a released model (`released`, not a child: its tensors are listed through the modules)."""
+
+    label_shift = True  # the released model computes a causal LM's loss: it shifts the labels itself
+
+    def __init__(self, config: OmniConfig, released: PreTrainedModel, processor=None):
+        mapping = normalise(config.adopted["modules"])
+        parts = build_parts(released, mapping)
+        super().__init__(config, modules=parts)
+        self.__dict__["released"] = released
+        self.__dict__["adopted_processor"] = processor
+        signature = inspect.signature(released.forward)
+        self.argument_names = [n for n, p in signature.parameters.items()
+                               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+        def forward(self, *args, **kwargs):  # the released forward's signature: Trainer keeps the columns it takes
+            return self.run_released(*args, **kwargs)
+
+        forward.__signature__ = inspect.signature(type(released).forward)
+        self.forward = types.MethodType(forward, self)  # bound: a deep copy rebinds it to the copy
+
+    @classmethod
+    def adopt(cls, model, modules: dict, processor=None, **kwargs) -> "AdoptedModel":
+        if isinstance(model, type):
+            raise TypeError("from_model(cls, path, ...) takes the released class and a folder or repo id")
+        if not isinstance(model, PreTrainedModel):
+            raise ValueError(f"from_model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+        if kwargs:
+            raise TypeError(f"from_model: unexpected arguments {sorted(kwargs)}")
+        mapping = normalise(modules)
+        released_class = original_class(model)
+        record = class_record(released_class, "(adopted model)")
+        path = getattr(model.config, "_name_or_path", "") or ""
+        source = os.path.abspath(path) if path and os.path.isdir(path) else None
+        entries = [ModuleEntry(name, record, name, source, extra={"paths": paths}) for name, paths in mapping.items()]
+        config = OmniConfig(modules=entries, omni_class=cls.__name__,
+                            adopted={"class": record, "modules": mapping})
+        return cls(config, model, processor)
+
+    # -- running ---------------------------------------------------------------------------------
+    def run_released(self, *args, **kwargs):
+        from ..offline.missing_modality import runs_collectives
+
+        if runs_collectives(self):  # every rank given the same arguments, or all raise alike
+            bound = dict(zip(self.argument_names, args), **kwargs)
+            check_same_inputs(self.argument_names, bound, [n for n, s in self.slots.items()
+                                                           if s.strategy is not None and s.strategy.collective])
+        return self.released(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.released.generate(*args, **kwargs)
+
+    def get_input_embeddings(self):
+        return self.released.get_input_embeddings()
+
+    def train(self, mode: bool = True):
+        self.released.train(mode)  # its own containers too (they are no module's)
+        return super().train(mode)
+
+    def sync_parts(self) -> None:
+        """Submodules PEFT replaced inside a module, into the released model (`parts.sync_into`)."""
+        sync_into(self.released, {n: s.module for n, s in self.slots.items()})
+
+    @property
+    def processors(self) -> dict:
+        return {}
+
+    # -- save / load -----------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, is_main_process: bool = True, merge_lora: bool = True,
+                        max_shard_size: str | int = "50GB", **kwargs) -> None:
+        """The released class's own format, written as `OmniModel` writes its modules (every rank its own rows of a
+        sharded module's tensors), and `hf_omni.json`. LoRA is always merged (`merge_lora` is ignored): the released
+        format holds no adapters."""
+        from ..dist import is_main
+        from .export import export_original
+
+        if kwargs.get("state_dict") is not None:
+            raise ValueError("AdoptedModel.save_pretrained writes its modules' own state; `state_dict=` is not "
+                             "supported")
+        save_directory, is_main_process = str(save_directory), is_main_process and is_main()
+        export_original(self, save_directory, is_main_process, max_shard_size)
+        if is_main_process:
+            self.write_config(save_directory)
+
+    def write_config(self, directory: str) -> None:
+        """`hf_omni.json`: the mapping, the released class, and, once prepared, which modules were trained."""
+        os.makedirs(directory, exist_ok=True)
+        entries = [{"name": s.name, "paths": s.entry.extra["paths"],
+                    "trained": s.trains if self.prepared is not None else s.entry.trained} for s in self.slots.values()]
+        record = {"class": self.config.adopted["class"], "modules": self.config.adopted["modules"],
+                  "module_entries": entries, "omni_class": type(self).__name__}
+        with open(os.path.join(directory, ADOPTED_FILE), "w") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+
+    @classmethod
+    def from_saved(cls, folder: str, **kwargs) -> "AdoptedModel":
+        """A folder `save_pretrained` wrote: the released class loads it, then it is adopted with its mapping."""
+        with open(os.path.join(folder, ADOPTED_FILE)) as f:
+            record = json.load(f)
+        released_class = resolve_module_class(record["class"], "(adopted model)")
+        released = released_class.from_pretrained(folder, **kwargs)
+        processor = None
+        if any(os.path.isfile(os.path.join(folder, n)) for n in ("processor_config.json", "preprocessor_config.json",
+                                                                 "tokenizer_config.json")):
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(folder)
+        return cls.adopt(released, record["modules"], processor=processor).eval()
+
+
+def from_model(model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> AdoptedModel:
+    """`from_model(instance, modules=...)`, or `from_model(ReleasedClass, "folder-or-repo", modules=...,
+    **from_pretrained_kwargs)`: the class's own `from_pretrained` loads it (every rank its copy)."""
+    if isinstance(model, type):
+        if not issubclass(model, PreTrainedModel) or pretrained is None:
+            raise TypeError("from_model(cls, path, modules=...): cls a transformers model class and path its folder "
+                            "or repo id")
+        if kwargs.pop("empty_init", False):
+            raise ValueError("from_model: empty_init=True is not supported for adopted models yet: load the model "
+                             "(from_model(cls, path, modules=...)) or pass an instance")
+        model = model.from_pretrained(pretrained, **kwargs)
+        kwargs = {}
+    elif pretrained is not None:
+        raise TypeError("from_model(instance, modules=...) takes no path: the instance holds its weights")
+    return AdoptedModel.adopt(model, modules, processor=processor, **kwargs)

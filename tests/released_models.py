@@ -1,0 +1,121 @@
+"""Tiny released composite models (built from configs: nothing downloads), their `modules=` mappings, and image +
+text rows in each family's own input format."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, PaliGemmaConfig,
+    PaliGemmaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+)
+
+IMAGE_TOKENS = 4  # every family here: 4 image tokens per image
+
+
+def llava(seed: int = 0) -> LlavaForConditionalGeneration:
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=8, patch_size=4, projection_dim=16)
+    text = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=63, vision_feature_layer=-1,
+                         vision_feature_select_strategy="default", image_seq_length=IMAGE_TOKENS)
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(config)
+
+
+def qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=1, out_hidden_size=24, window_size=8,
+                  fullatt_block_indexes=[1])
+    text = dict(vocab_size=80, hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 2, 2]})
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=70, video_token_id=71,
+                              vision_start_token_id=72, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def paligemma(seed: int = 0) -> PaliGemmaForConditionalGeneration:
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16)
+    text = dict(model_type="gemma", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    config = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=63, projection_dim=16)
+    torch.manual_seed(seed)
+    return PaliGemmaForConditionalGeneration(config)
+
+
+MODULES = {
+    "llava": {"vision": "model.vision_tower", "projector": "model.multi_modal_projector",
+              "llm": ["model.language_model", "lm_head"]},
+    "qwen2_5_vl": {"vision": "model.visual", "projector": "model.visual.merger",
+                   "llm": ["model.language_model", "lm_head"]},
+    "paligemma": {"vision": "model.vision_tower", "projector": "model.multi_modal_projector",
+                  "llm": ["model.language_model", "lm_head"]},
+}
+BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "paligemma": paligemma}
+
+
+def image_prefix(family: str, model) -> list[int]:
+    """The tokens standing for one image in the text, as the family's processor writes them."""
+    if family == "qwen2_5_vl":
+        return [model.config.vision_start_token_id] + [model.config.image_token_id] * IMAGE_TOKENS
+    return [model.config.image_token_index] * IMAGE_TOKENS
+
+
+def pixels(family: str, generator) -> dict[str, torch.Tensor]:
+    """One image in the family's input format: LLaVA / PaliGemma a 3x8x8 image; Qwen2.5-VL its 16 flattened 2x2
+    patches (4x4 grid) and the grid."""
+    if family == "qwen2_5_vl":
+        return {"pixel_values": torch.randn(16, 12, generator=generator), "image_grid_thw": torch.tensor([1, 4, 4])}
+    return {"pixel_values": torch.randn(3, 8, 8, generator=generator)}
+
+
+class Rows(torch.utils.data.Dataset):
+    """`n` rows of one image and 6 text tokens (labels: the text; -100 under the image tokens); `text_only`: every
+    k-th row has no image (`modalities` says which rows do)."""
+
+    def __init__(self, family: str, model, n: int, seed: int = 0, text_only_every: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        vocab = model.config.get_text_config().vocab_size
+        self.rows = []
+        for i in range(n):
+            text = torch.randint(2, 60, (6,), generator=generator).tolist()
+            image = pixels(family, generator)
+            if text_only_every and i % text_only_every == 0:
+                self.rows.append({"input_ids": torch.tensor(text), "labels": torch.tensor(text)})
+                continue
+            prefix = image_prefix(family, model)
+            assert max(prefix) < vocab
+            row = {"input_ids": torch.tensor(prefix + text), "labels": torch.tensor([-100] * len(prefix) + text),
+                   **image}
+            self.rows.append(row)
+        self.modalities = [["image"] if "pixel_values" in row else [] for row in self.rows]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Text padded on the left (pad 0, labels -100, attention mask 0); LLaVA / PaliGemma images stacked,
+    Qwen2.5-VL's patches concatenated with one grid row per image."""
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, width - n:] = row["input_ids"]
+        batch["labels"][i, width - n:] = row["labels"]
+        batch["attention_mask"][i, width - n:] = 1
+    images = [r for r in rows if "pixel_values" in r]
+    if images and "image_grid_thw" in images[0]:
+        batch["pixel_values"] = torch.cat([r["pixel_values"] for r in images])
+        batch["image_grid_thw"] = torch.stack([r["image_grid_thw"] for r in images])
+    elif images:
+        batch["pixel_values"] = torch.stack([r["pixel_values"] for r in images])
+    return batch

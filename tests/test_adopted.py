@@ -1,0 +1,137 @@
+"""Released composite models adopted as they are (`OmniModel.from_model`), one process: the mapping's refusals,
+training against a hand-written loop, LoRA + frozen vision + trained projector, and the export in the released
+class's own format (loads with that class, same outputs, same `generate`)."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from helpers import make_args
+from released_models import BUILDERS, MODULES, Rows, collate
+from safetensors import safe_open
+
+from hf_omni import OmniModel, OmniTrainer
+from hf_omni.modules.lora import base_state_dict
+
+FAMILIES = list(BUILDERS)
+SETTINGS = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2},
+            "llm": {"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, "learning_rate": 1e-3}}
+
+
+def adopted(family: str, seed: int = 0):
+    model = BUILDERS[family](seed)
+    return OmniModel.from_model(model, modules=MODULES[family])
+
+
+def weight_keys(folder: str) -> set[str]:
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_every_tensor_belongs_to_exactly_one_module():
+    with pytest.raises(ValueError, match=r"1 tensors of Qwen2_5_VLForConditionalGeneration belong to no module: "
+                                         r"\['lm_head.weight'\]"):
+        OmniModel.from_model(BUILDERS["qwen2_5_vl"](), modules={"vision": "model.visual",
+                                                                "llm": "model.language_model"})
+    with pytest.raises(ValueError, match=r"are one tensor \(tied weights\): put both paths in one module"):
+        OmniModel.from_model(BUILDERS["paligemma"](), modules={
+            "vision": "model.vision_tower", "projector": "model.multi_modal_projector",
+            "llm": "model.language_model", "head": "lm_head"})
+    with pytest.raises(ValueError, match="module 'vision': LlavaForConditionalGeneration has no submodule "
+                                         "'model.vision'"):
+        OmniModel.from_model(BUILDERS["llava"](), modules={"vision": "model.vision", "rest": "model"})
+    with pytest.raises(ValueError, match="module 'llm': 'model.language_model.norm' lies inside its own"):
+        OmniModel.from_model(BUILDERS["llava"](), modules={"llm": ["model", "model.language_model.norm", "lm_head"]})
+    with pytest.raises(ValueError, match="path 'lm_head' is given to modules 'a' and 'b'"):
+        OmniModel.from_model(BUILDERS["llava"](), modules={"a": ["model", "lm_head"], "b": "lm_head"})
+
+
+def test_carved_module_owns_its_subtree():
+    model = adopted("qwen2_5_vl")
+    projector = {n for n, _ in model.projector.named_parameters()}
+    vision = {n for n, _ in model.vision.named_parameters()}
+    assert projector and all(n.startswith("model.visual.merger.") for n in projector)
+    assert not any(".merger." in n for n in vision)
+    released = {n for n, _ in model.released.named_parameters()}
+    llm = {n for n, _ in model.llm.named_parameters()}
+    assert projector | vision | llm == released and len(projector) + len(vision) + len(llm) == len(released)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_projector_training_equals_a_hand_written_loop(tmp_path, family):
+    model = adopted(family)
+    reference = copy.deepcopy(model)
+    rows = Rows(family, model.released, 32)
+    modules = {"vision": {"trainable": False}, "llm": {"trainable": False}, "projector": {"learning_rate": 1e-2}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path, modules=modules, lr_scheduler_type="constant",
+                                                      max_grad_norm=0), train_dataset=rows, data_collator=collate)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    reference.requires_grad_(False)
+    params = list(reference.projector.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    reference.released.train()
+    reference.released.model.vision_tower.eval() if family == "llava" else None
+    expected = []
+    for start in range(0, 32, 8):  # plain PyTorch on the released model itself
+        loss = reference.released(**collate([rows[i] for i in range(start, start + 8)])).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, abs=1e-6)
+    live, ref = model.released.state_dict(), reference.released.state_dict()
+    assert max((live[k] - ref[k]).abs().max().item() for k in live) <= 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_llm_trained_projector_frozen_vision_export_in_released_format(tmp_path, family):
+    model = adopted(family)
+    cls = type(model.released)
+    before = {k: v.clone() for k, v in model.released.state_dict().items()}
+    rows = Rows(family, model.released, 32)
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path / "run", modules=SETTINGS), train_dataset=rows,
+                          data_collator=collate)
+    trainer.train()
+    assert {n: s.kind for n, s in model.slots.items()} == {"vision": "none", "projector": "none", "llm": "none"}
+    after = base_state_dict(model.released.state_dict())  # LoRA's base_layer names folded back
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.multi_modal_projector.") or k.startswith("model.visual.merger.")
+                           for k in changed)  # the base LLM and the vision tower are untouched
+    assert any(".lora_B." in n and p.abs().sum() > 0 for n, p in model.llm.named_parameters())
+
+    export = tmp_path / "export"
+    trainer.save_model(str(export))
+    fresh = tmp_path / "fresh"
+    BUILDERS[family]().save_pretrained(fresh)
+    assert weight_keys(export) == weight_keys(fresh)  # the released class's own keys (its save-time conversion)
+    assert json.load(open(export / "config.json"))["architectures"] == [cls.__name__]
+    assert json.load(open(export / "hf_omni.json"))["modules"] == {
+        k: [v] if isinstance(v, str) else v for k, v in MODULES[family].items()}
+
+    batch = collate([rows[i] for i in range(4)])
+    model.eval()
+    with torch.no_grad():
+        live = model(**batch).logits
+        reloaded = cls.from_pretrained(export).eval()
+        assert (reloaded(**batch).logits - live).abs().max().item() <= 1e-5
+        again = OmniModel.from_pretrained(export)
+        assert type(again).__name__ == "AdoptedModel" and again.module_names == list(MODULES[family])
+        assert (again(**batch).logits - live).abs().max().item() <= 1e-5
+        prompt = {k: v[:1] if k not in ("pixel_values", "image_grid_thw") else v for k, v in
+                  collate([rows[0]]).items() if k != "labels"}
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(**prompt, **kwargs), reloaded.generate(**prompt, **kwargs))
+
+
+def test_forward_keeps_the_released_signature_and_refuses_a_direct_call():
+    model = adopted("llava")
+    import inspect
+
+    assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "pixel_values"]
+    with pytest.raises(RuntimeError, match="module 'vision' of an adopted model is not called alone"):
+        model.vision(torch.zeros(1))
