@@ -26,6 +26,8 @@ from ..modules.classes import class_record, original_class, resolve_module_class
 from .inputs import check_same_inputs
 from .parts import build_parts, normalise, sync_into
 
+MODALITY_INPUTS = {"image": ["pixel_values", "image_grid_thw", "pixel_attention_mask"],
+                   "video": ["pixel_values_videos", "video_grid_thw"], "audio": ["input_features", "input_values"]}
 ADOPTED_FILE = "hf_omni.json"  # beside the released model's own files: the modules= mapping and its class
 
 
@@ -33,6 +35,7 @@ class AdoptedModel(OmniModel):
     """An `OmniModel` over a released model (`released`, not a child: its tensors are listed through the modules)."""
 
     label_shift = True  # the released model computes a causal LM's loss: it shifts the labels itself
+    reduce_every_micro_step = True  # its forward decides per batch which modules run (`inputs.py`)
 
     def __init__(self, config: OmniConfig, released: PreTrainedModel, processor=None):
         mapping = normalise(config.adopted["modules"])
@@ -77,6 +80,11 @@ class AdoptedModel(OmniModel):
             check_same_inputs(self.argument_names, bound, [n for n, s in self.slots.items()
                                                            if s.strategy is not None and s.strategy.collective])
         return self.released(*args, **kwargs)
+
+    def modality_columns(self) -> dict[str, list[str]]:
+        """`group_by_modality`: the released forward's inputs that carry each modality (those it takes)."""
+        found = {kind: [c for c in columns if c in self.argument_names] for kind, columns in MODALITY_INPUTS.items()}
+        return {kind: columns for kind, columns in found.items() if columns}
 
     def generate(self, *args, **kwargs):
         return self.released.generate(*args, **kwargs)

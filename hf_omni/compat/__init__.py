@@ -26,6 +26,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
     ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
     ("transformers", "transformers.modeling_utils._get_tied_weight_keys"),
+    ("transformers", "transformers.utils.output_capturing._CAN_RECORD_REGISTRY"),
     ("transformers", "transformers.PreTrainedModel._init_weights"),
     ("transformers", "transformers.PreTrainedModel._get_dtype_plan"),
     ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),

@@ -96,6 +96,19 @@ def fsdp_ignored_params(ignored_modules, module: nn.Module, device: torch.device
 NO_TARGET_MESSAGES = ("not found in the base model", "No modules were targeted")
 
 
+def keep_output_recording(module: nn.Module) -> None:
+    """transformers records `output_hidden_states` / `output_attentions` through hooks it finds by each model
+    class's name (`_can_record_outputs`, registered at construction); an in-place wrap swaps in a generated subclass
+    (`FSDPCLIPVisionModel`) whose name it has not seen, and the outputs come back None (LLaVA's feature layer).
+    Register each wrapped submodel under its new class too."""
+    from transformers import PreTrainedModel
+
+    registry = resolve("transformers.utils.output_capturing._CAN_RECORD_REGISTRY")
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and str(type(sub)) not in registry:
+            registry[sub] = getattr(sub, "_can_record_outputs", None)
+
+
 def inject_lora(config, module: nn.Module) -> bool:
     """Inject LoRA adapters in place; False when `config` matches no layer of `module` (PEFT says so only in
     its error message)."""

@@ -94,7 +94,8 @@ def modality_sampler(model, dataset, per_device_batch: int, world: int, seed: in
     from ..dist import agreed, broadcast_from_main, is_main
     from .spec import class_encoders
 
-    columns = {s.module: list(s.inputs) + [s.output] for s in class_encoders(type(model))}
+    columns = model.modality_columns() if hasattr(model, "modality_columns") else {  # adopted: its forward's
+        s.module: list(s.inputs) + [s.output] for s in class_encoders(type(model))}
     if not columns:
         raise ValueError("group_by_modality: the model has no @offline_encoder entry point, so no modality to group by")
     keys = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adopt.nesting import apply_order
+from ..compat import keep_output_recording
 from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
@@ -105,6 +106,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
     if scoped:  # one wrap of the whole composed model, frozen modules included
         strategy = FsdpStrategy(MODEL_SCOPE, model_fsdp, meshes.get(shapes[MODEL_SCOPE]), compute=run_dtype)
         strategy.apply(model, device)
+        keep_output_recording(model)
         prepared.strategies.append(strategy)
         for slot in live:
             slot.wrapped(strategy)
@@ -113,9 +115,12 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
             mesh = meshes.get(shapes[slot.name]) if slot.name in shapes else None
             strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later)
             strategy.apply(slot.module, device)
+            keep_output_recording(slot.module)  # transformers' output hooks, under the wrapped class names too
             slot.wrapped(strategy)
             if strategy.collective:
                 prepared.strategies.append(strategy)
+    if getattr(model, "reduce_every_micro_step", False):  # adopted models: no accumulation window (`adopt.inputs`)
+        prepared.strategies = []
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
         slot = model.slots[name]
         offload = slot.args.fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU

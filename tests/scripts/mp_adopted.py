@@ -1,0 +1,92 @@
+"""Adopted released models at 2 gloo ranks, one launch for all (tests/test_adopted_multiprocess.py compares each
+with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
+
+- qwen2_5_vl: vision frozen under FSDP, its carved-out projector (`model.visual.merger`) trained under its own FSDP
+  unit inside the vision root, LoRA LLM under FSDP;
+- llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
+- mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
+- lacking: rank 0's batch has images, rank 1's has none: every rank raises the same error.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers import full_state, make_args
+from launching import end_distributed
+from released_models import BUILDERS, MODULES, Rows, collate
+
+from hf_omni import OmniModel, OmniTrainer
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+CASES = {
+    "qwen2_5_vl": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
+                                  "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
+                                  "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
+    "llava": ("llava", {"vision": {"trainable": False, "parallel": "fsdp"},
+                        "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
+    "mixed": ("llava", {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
+              dict(group_by_modality=True, gradient_accumulation_steps=2, global_batch=4, text_only_every=3)),
+}
+
+
+def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world: int) -> dict:
+    """One case; `world` ranks share each global batch (of 8 rows unless `extra` says)."""
+    extra = dict(extra)
+    text_only = extra.pop("text_only_every", 0)
+    per_device = extra.pop("global_batch", 8) // world
+    model = OmniModel.from_model(BUILDERS[family](), modules=MODULES[family])
+    rows = Rows(family, model.released, 32, text_only_every=text_only)
+    args = make_args(os.path.join(out_dir, name), modules=modules, per_device_train_batch_size=per_device,
+                     max_grad_norm=1.0, **extra)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    trainer.train()
+    result = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+              "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model)}
+    trainer.save_model(os.path.join(out_dir, name, "export"))
+    model.eval()
+    with torch.no_grad():
+        result["logits"] = model(**collate([rows[i] for i in range(4)])).logits
+    return result
+
+
+def lacking(out_dir: str) -> str | None:
+    """Rows 0-3 with images, 4-7 without: at 2 ranks, rank 0's first batch has images and rank 1's none."""
+    model = OmniModel.from_model(BUILDERS["llava"](), modules=MODULES["llava"])
+    rows = Rows("llava", model.released, 8)
+    for i in range(4, 8):
+        rows.rows[i] = {k: v[4:] for k, v in rows.rows[i].items() if k in ("input_ids", "labels")}
+    modules = {"vision": {"trainable": False, "parallel": "fsdp"}, "projector": {"parallel": "ddp"},
+               "llm": {"trainable": False}}
+    trainer = OmniTrainer(model=model, args=make_args(os.path.join(out_dir, "lacking"), modules=modules,
+                                                      per_device_train_batch_size=4, max_steps=1),
+                          train_dataset=rows, data_collator=collate)
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def main(out_dir: str):
+    results = {}
+    for name, (family, modules, extra) in CASES.items():
+        mine = run(out_dir, name, family, modules, extra, int(os.environ["WORLD_SIZE"]))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: v for k, v in mine.items() if k != "state"} | {
+            "state": mine["state"] if dist.get_rank() == 0 else None})
+        results[name] = everyone
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, lacking(out_dir))
+    results["lacking"] = errors
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    end_distributed()

@@ -1,0 +1,49 @@
+"""Adopted released models at 2 gloo ranks (tests/scripts/mp_adopted.py, one launch) against one process on the
+same global batches: Qwen2.5-VL with its carved-out projector sharded inside the sharded vision tower, LLaVA with
+a DDP projector between FSDP modules, mixed image / text-only rows under `group_by_modality` with accumulation;
+the export written by both ranks loads with the released class; a batch with images on one rank only raises the
+same error on every rank."""
+
+import pytest
+import torch
+from released_models import BUILDERS, Rows, collate
+from scripts.mp_adopted import CASES, run
+
+KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
+         "llava": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
+         "mixed": {"vision": "none", "projector": "ddp", "llm": "fsdp"}}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, launch_ranks):
+    out = tmp_path_factory.mktemp("mp_adopted")
+    launch_ranks("mp_adopted.py", str(out))
+    return out, torch.load(out / "results.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_process(results, tmp_path, case):
+    out, got = results
+    family, modules, extra = CASES[case]
+    single = run(str(tmp_path), case, family, modules, extra, world=1)
+    ranks = got[case]
+    assert [r["kinds"] for r in ranks] == [KINDS[case]] * 2
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(single["losses"], abs=1e-5)
+        assert (rank["logits"] - single["logits"]).abs().max().item() <= 1e-5
+    state = ranks[0]["state"]
+    assert state.keys() == single["state"].keys()
+    for key, value in single["state"].items():
+        assert (state[key] - value).abs().max().item() <= 1e-5, key
+    cls = type(BUILDERS[family]())
+    exported = cls.from_pretrained(out / case / "export").eval()
+    rows = Rows(family, exported, 32, text_only_every=extra.get("text_only_every", 0))
+    with torch.no_grad():
+        assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
+
+
+def test_images_on_one_rank_only_raise_the_same_error_on_every_rank(results):
+    errors = results[1]["lacking"]
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert "['pixel_values'] given on ranks [0] but not on ranks [1]" in errors[0]
+    assert "group_by_modality: true" in errors[0] and "['vision', 'projector']" in errors[0]
