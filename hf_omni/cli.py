@@ -30,12 +30,19 @@ def export(checkpoint: str, out: str) -> None:
     config = OmniConfig.from_pretrained(checkpoint)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: nothing was written")
-    folders = {name: module_folder(checkpoint, config, name) for name in config.module_names}  # all, before writing
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial")
+    adopted = getattr(config, "adopted", None)  # an adopted model's checkpoint holds it in its released format
+    released = os.path.join(checkpoint, "released")
+    if adopted is not None and not os.path.isfile(os.path.join(released, "config.json")):
+        raise FileNotFoundError(f"{checkpoint} is an adopted model's checkpoint without its released/ folder")
+    folders = {} if adopted else {name: module_folder(checkpoint, config, name) for name in config.module_names}
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
+    if adopted:
+        copy_module_folder(released, partial)
     for name, folder in each(folders.items(), f"exporting {checkpoint}"):
         copy_module_folder(folder, os.path.join(partial, config.module_entry(name).subfolder))
-    config.save_pretrained(partial)
+    if not adopted:
+        config.save_pretrained(partial)
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete

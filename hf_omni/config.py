@@ -112,6 +112,9 @@ def repo_id_error(repo_id) -> str | None:
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 
 
+PART_FILE = "hf_omni_part.json"  # a checkpoint's folder of an adopted model's module (its tensors, by released name)
+
+
 class UnsafePathError(ValueError):
     """A module path in a root config that could lead outside the folder holding it."""
 
@@ -125,12 +128,11 @@ def module_folder(root: str, config: OmniConfig, name: str) -> str:
     inside = os.path.realpath(root)
     if os.path.lexists(folder) and os.path.dirname(os.path.realpath(folder)) != inside:
         raise UnsafePathError(f"module {name!r}: {folder} leads outside {root}")
-    if os.path.isfile(os.path.join(folder, "config.json")) or os.path.isfile(os.path.join(folder,
-                                                                                         "adapter_config.json")):
+    if any(os.path.isfile(os.path.join(folder, n)) for n in ("config.json", "adapter_config.json", PART_FILE)):
         return folder  # a module folder, or a LoRA checkpoint's adapter folder (its base written apart)
     source = entry.source
     if source and os.path.isdir(source):
-        if not os.path.isfile(os.path.join(source, "config.json")):
+        if not any(os.path.isfile(os.path.join(source, n)) for n in ("config.json", PART_FILE)):
             raise ValueError(f"module {name!r}: source {source} is not a module folder (no config.json)")
         return source
     raise FileNotFoundError(f"module {name!r}: no folder {entry.subfolder!r} in {root} and no recorded source "

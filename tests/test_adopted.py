@@ -110,7 +110,9 @@ def test_lora_llm_trained_projector_frozen_vision_export_in_released_format(tmp_
     BUILDERS[family]().save_pretrained(fresh)
     assert weight_keys(export) == weight_keys(fresh)  # the released class's own keys (its save-time conversion)
     assert json.load(open(export / "config.json"))["architectures"] == [cls.__name__]
-    assert json.load(open(export / "hf_omni.json"))["modules"] == {
+    recorded = json.load(open(export / "hf_omni.json"))
+    assert recorded["adopted"] == {"class": cls.__name__}
+    assert {m["name"]: m["paths"] for m in recorded["modules"]} == {
         k: [v] if isinstance(v, str) else v for k, v in MODULES[family].items()}
 
     batch = collate([rows[i] for i in range(4)])
@@ -135,3 +137,34 @@ def test_forward_keeps_the_released_signature_and_refuses_a_direct_call():
     assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "pixel_values"]
     with pytest.raises(RuntimeError, match="module 'vision' of an adopted model is not called alone"):
         model.vision(torch.zeros(1))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_resume_is_bitwise_and_the_checkpoint_exports_in_the_released_format(tmp_path, family):
+    def trainer(out, seed=0):
+        model = adopted(family)
+        return OmniTrainer(model=model, args=make_args(out, modules=SETTINGS, save_strategy="steps", save_steps=2,
+                                                       seed=seed),
+                           train_dataset=Rows(family, model.released, 32), data_collator=collate)
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    config = json.load(open(checkpoint / "config.json"))  # where the mapping is recorded: the root config
+    assert [m["paths"] for m in config["modules"] if m["name"] == "projector"] == [[MODULES[family]["projector"]]]
+    assert json.load(open(checkpoint / "projector" / "hf_omni_part.json"))["paths"] == [MODULES[family]["projector"]]
+    assert weight_keys(checkpoint / "projector") == {n for n, _ in straight.model.projector.named_parameters()}
+    resumed = trainer(tmp_path / "resumed", seed=7)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    from hf_omni.cli import main
+
+    main(["export", str(tmp_path / "straight" / "checkpoint-4"), str(tmp_path / "export")])
+    reloaded = type(straight.model.released).from_pretrained(tmp_path / "export").eval()
+    batch = collate([straight.train_dataset[i] for i in range(4)])
+    straight.model.eval()
+    with torch.no_grad():
+        assert (reloaded(**batch).logits - straight.model(**batch).logits).abs().max().item() <= 1e-5
+    assert type(OmniModel.from_pretrained(tmp_path / "export")).__name__ == "AdoptedModel"

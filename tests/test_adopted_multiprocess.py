@@ -2,7 +2,7 @@
 same global batches: Qwen2.5-VL with its carved-out projector sharded inside the sharded vision tower, LLaVA with
 a DDP projector between FSDP modules, mixed image / text-only rows under `group_by_modality` with accumulation;
 the export written by both ranks loads with the released class; a batch with images on one rank only raises the
-same error on every rank."""
+same error on every rank. Each case also resumes from its step-2 checkpoint, bitwise on every rank."""
 
 import pytest
 import torch
@@ -28,6 +28,7 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
     single = run(str(tmp_path), case, family, modules, extra, world=1)
     ranks = got[case]
     assert [r["kinds"] for r in ranks] == [KINDS[case]] * 2
+    assert [r["mismatch"] for r in ranks] == [[], []]  # resumed from step 2: bitwise on every rank
     for rank in ranks:
         assert rank["losses"] == pytest.approx(single["losses"], abs=1e-5)
         assert (rank["logits"] - single["logits"]).abs().max().item() <= 1e-5

@@ -13,8 +13,8 @@ folder adopts it again without the script. The folder loads with the released cl
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import json
 import os
 import types
 
@@ -29,6 +29,7 @@ from .parts import build_parts, normalise, sync_into
 MODALITY_INPUTS = {"image": ["pixel_values", "image_grid_thw", "pixel_attention_mask"],
                    "video": ["pixel_values_videos", "video_grid_thw"], "audio": ["input_features", "input_values"]}
 ADOPTED_FILE = "hf_omni.json"  # beside the released model's own files: the modules= mapping and its class
+RELEASED_FOLDER = "released"  # a checkpoint's copy of the model in its released format
 
 
 class AdoptedModel(OmniModel):
@@ -36,9 +37,10 @@ class AdoptedModel(OmniModel):
 
     label_shift = True  # the released model computes a causal LM's loss: it shifts the labels itself
     reduce_every_micro_step = True  # its forward decides per batch which modules run (`inputs.py`)
+    released_folder = RELEASED_FOLDER  # a checkpoint's copy in the released format (beside the modules' state)
 
     def __init__(self, config: OmniConfig, released: PreTrainedModel, processor=None):
-        mapping = normalise(config.adopted["modules"])
+        mapping = {entry.name: entry.extra["paths"] for entry in config.modules}  # in order: each entry's paths
         parts = build_parts(released, mapping)
         super().__init__(config, modules=parts)
         self.__dict__["released"] = released
@@ -64,11 +66,8 @@ class AdoptedModel(OmniModel):
         mapping = normalise(modules)
         released_class = original_class(model)
         record = class_record(released_class, "(adopted model)")
-        path = getattr(model.config, "_name_or_path", "") or ""
-        source = os.path.abspath(path) if path and os.path.isdir(path) else None
-        entries = [ModuleEntry(name, record, name, source, extra={"paths": paths}) for name, paths in mapping.items()]
-        config = OmniConfig(modules=entries, omni_class=cls.__name__,
-                            adopted={"class": record, "modules": mapping})
+        entries = [ModuleEntry(name, record, name, extra={"paths": paths}) for name, paths in mapping.items()]
+        config = OmniConfig(modules=entries, omni_class=cls.__name__, adopted={"class": record})
         return cls(config, model, processor)
 
     # -- running ---------------------------------------------------------------------------------
@@ -119,24 +118,23 @@ class AdoptedModel(OmniModel):
         save_directory, is_main_process = str(save_directory), is_main_process and is_main()
         export_original(self, save_directory, is_main_process, max_shard_size)
         if is_main_process:
-            self.write_config(save_directory)
+            self.omni_config().to_json_file(os.path.join(save_directory, ADOPTED_FILE))
+
+    def omni_config(self) -> OmniConfig:
+        """The mapping, the released class, each module's recorded source and, once prepared, whether it trained."""
+        entries = [dataclasses.replace(s.entry, trained=s.trains if self.prepared is not None else s.entry.trained)
+                   for s in self.slots.values()]
+        return OmniConfig(modules=entries, omni_class=type(self).__name__, adopted=self.config.adopted)
 
     def write_config(self, directory: str) -> None:
-        """`hf_omni.json`: the mapping, the released class, and, once prepared, which modules were trained."""
-        os.makedirs(directory, exist_ok=True)
-        entries = [{"name": s.name, "paths": s.entry.extra["paths"],
-                    "trained": s.trains if self.prepared is not None else s.entry.trained} for s in self.slots.values()]
-        record = {"class": self.config.adopted["class"], "modules": self.config.adopted["modules"],
-                  "module_entries": entries, "omni_class": type(self).__name__}
-        with open(os.path.join(directory, ADOPTED_FILE), "w") as f:
-            f.write(json.dumps(record, indent=2) + "\n")
+        """A checkpoint's root `config.json` (its modules' folders beside it, keyed by the released names)."""
+        self.omni_config().save_pretrained(directory)
 
     @classmethod
     def from_saved(cls, folder: str, **kwargs) -> "AdoptedModel":
         """A folder `save_pretrained` wrote: the released class loads it, then it is adopted with its mapping."""
-        with open(os.path.join(folder, ADOPTED_FILE)) as f:
-            record = json.load(f)
-        released_class = resolve_module_class(record["class"], "(adopted model)")
+        config = OmniConfig.from_json_file(os.path.join(folder, ADOPTED_FILE))
+        released_class = resolve_module_class(config.adopted["class"], "(adopted model)")
         released = released_class.from_pretrained(folder, **kwargs)
         processor = None
         if any(os.path.isfile(os.path.join(folder, n)) for n in ("processor_config.json", "preprocessor_config.json",
@@ -144,7 +142,7 @@ class AdoptedModel(OmniModel):
             from transformers import AutoProcessor
 
             processor = AutoProcessor.from_pretrained(folder)
-        return cls.adopt(released, record["modules"], processor=processor).eval()
+        return cls.adopt(released, {e.name: e.extra["paths"] for e in config.modules}, processor=processor).eval()
 
 
 def from_model(model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> AdoptedModel:

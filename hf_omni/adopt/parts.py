@@ -91,6 +91,9 @@ def normalise(modules: dict) -> dict[str, list[str]]:
                 isinstance(p, str) and p and all(s.isidentifier() or s.isdigit() for s in p.split(".")) for p in paths):
             raise ValueError(f"from_model: module {name!r}: {modules[name]!r} is not an attribute path or a list of "
                              "them (e.g. 'model.vision_tower')")
+        if name == "released":
+            raise ValueError("from_model: 'released' is not a module name: a checkpoint's folder of that name holds "
+                             "the model in its released format")
         out[name] = paths
     return out
 
@@ -115,6 +118,7 @@ def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
     parts = {}
     for name, paths in mapping.items():
         part = parts[name] = Part(name, getattr(model, "config", None))
+        part._tied_weights_keys = getattr(model, "_tied_weights_keys", None)  # the names are the released model's
         for path in paths:
             carved = sorted(p[len(path) + 1:] for _, p in every if p.startswith(path + "."))
             carved = [c for c in carved if not any(c.startswith(o + ".") for o in carved)]  # the nearest ones

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import PART_FILE
 from ..dist import agreed, checkpoint_group, is_main
 from .classes import original_class, save_view
 from .empty_init import build_empty
@@ -82,7 +83,7 @@ def load_processor(folder: str, kind: str):
 MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "adapter_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
                 "merges.txt", "*.model", "chat_template*", "preprocessor_config.json", "*processor_config.json",
-                "feature_extractor_config.json", "video_preprocessor_config.json")
+                "feature_extractor_config.json", "video_preprocessor_config.json", "hf_omni.json")
 
 
 def module_files(folder: str) -> list[str]:
@@ -155,7 +156,10 @@ def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=N
     from .folder_plan import INDEX
 
     view = save_view(module)
-    if base is None:
+    if base is None and not hasattr(view, "can_generate"):  # a module of an adopted model: its paths, no class
+        with open(os.path.join(folder, PART_FILE), "w") as f:
+            json.dump({"paths": [r.path for r in view.omni_roots]}, f)
+    elif base is None:
         config = view.config
         config.architectures = [original_class(module).__name__]
         if dtype is not None:

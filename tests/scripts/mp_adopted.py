@@ -5,6 +5,7 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
   unit inside the vision root, LoRA LLM under FSDP;
 - llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
 - mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
+- each case saved at step 2 and resumed from there (another seed) at 2 ranks;
 - lacking: rank 0's batch has images, rank 1's has none: every rank raises the same error.
 """
 
@@ -33,23 +34,35 @@ CASES = {
 }
 
 
-def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world: int) -> dict:
-    """One case; `world` ranks share each global batch (of 8 rows unless `extra` says)."""
+def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: int, **overrides) -> OmniTrainer:
     extra = dict(extra)
     text_only = extra.pop("text_only_every", 0)
     per_device = extra.pop("global_batch", 8) // world
     model = OmniModel.from_model(BUILDERS[family](), modules=MODULES[family])
     rows = Rows(family, model.released, 32, text_only_every=text_only)
-    args = make_args(os.path.join(out_dir, name), modules=modules, per_device_train_batch_size=per_device,
-                     max_grad_norm=1.0, **extra)
-    trainer = OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    args = make_args(out_dir, modules=modules, per_device_train_batch_size=per_device, max_grad_norm=1.0,
+                     **extra, **overrides)
+    return OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+
+
+def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world: int, resume: bool = False) -> dict:
+    """One case; `world` ranks share each global batch (of 8 rows unless `extra` says). `resume`: saved at step 2,
+    and a second run (another seed) resumed from there: the tensors that differ from the uninterrupted run's."""
+    saving = dict(save_strategy="steps", save_steps=2) if resume else {}
+    trainer = case_trainer(os.path.join(out_dir, name), family, modules, extra, world, **saving)
     trainer.train()
+    model = trainer.model
     result = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model)}
+    if resume:
+        again = case_trainer(os.path.join(out_dir, name, "resumed"), family, modules, extra, world, seed=7)
+        again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
+        resumed = full_state(again.model)
+        result["mismatch"] = [k for k in resumed if not torch.equal(resumed[k], result["state"][k])]
     trainer.save_model(os.path.join(out_dir, name, "export"))
     model.eval()
     with torch.no_grad():
-        result["logits"] = model(**collate([rows[i] for i in range(4)])).logits
+        result["logits"] = model(**collate([trainer.train_dataset[i] for i in range(4)])).logits
     return result
 
 
@@ -74,7 +87,7 @@ def lacking(out_dir: str) -> str | None:
 def main(out_dir: str):
     results = {}
     for name, (family, modules, extra) in CASES.items():
-        mine = run(out_dir, name, family, modules, extra, int(os.environ["WORLD_SIZE"]))
+        mine = run(out_dir, name, family, modules, extra, int(os.environ["WORLD_SIZE"]), resume=True)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {k: v for k, v in mine.items() if k != "state"} | {
             "state": mine["state"] if dist.get_rank() == 0 else None})
