@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import make_args
+from helpers import make_args, step_losses
 from released_models import BUILDERS, MODULES, Rows, collate
 from safetensors import safe_open
 
@@ -153,7 +153,11 @@ def test_resume_is_bitwise_and_the_checkpoint_exports_in_the_released_format(tmp
     config = json.load(open(checkpoint / "config.json"))  # where the mapping is recorded: the root config
     assert [m["paths"] for m in config["modules"] if m["name"] == "projector"] == [[MODULES[family]["projector"]]]
     assert json.load(open(checkpoint / "projector" / "hf_omni_part.json"))["paths"] == [MODULES[family]["projector"]]
-    assert weight_keys(checkpoint / "projector") == {n for n, _ in straight.model.projector.named_parameters()}
+    released = tmp_path / "released"  # the module's files key its tensors as the released class's own save does
+    BUILDERS[family](0).save_pretrained(released)
+    projector_keys = weight_keys(checkpoint / "projector")
+    assert len(projector_keys) == len(list(straight.model.projector.parameters()))
+    assert projector_keys <= weight_keys(released)
     resumed = trainer(tmp_path / "resumed", seed=7)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     a, b = straight.model.state_dict(), resumed.model.state_dict()
@@ -168,3 +172,35 @@ def test_resume_is_bitwise_and_the_checkpoint_exports_in_the_released_format(tmp
     with torch.no_grad():
         assert (reloaded(**batch).logits - straight.model(**batch).logits).abs().max().item() <= 1e-5
     assert type(OmniModel.from_pretrained(tmp_path / "export")).__name__ == "AdoptedModel"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_empty_init_builds_on_meta_and_trains_as_the_eager_build(tmp_path, family):
+    """from_model(cls, folder, empty_init=True): nothing allocated until prepare, which reads the released files
+    (through the class's own key conversion: LLaVA's files keep their legacy `language_model.model.*` keys); then
+    training equals the eager `from_model(cls, folder)` exactly (LLM trained fully: a fresh LoRA is drawn apart)."""
+    folder = tmp_path / "released"
+    BUILDERS[family](0).save_pretrained(folder)
+    cls = type(BUILDERS[family](0))
+    modules = {**SETTINGS, "llm": {"learning_rate": 1e-3}}
+    results = []
+    for empty in (False, True):
+        model = OmniModel.from_model(cls, str(folder), modules=MODULES[family], empty_init=empty)
+        assert all(p.is_meta for p in model.parameters()) == empty
+        trainer = OmniTrainer(model=model, args=make_args(tmp_path / str(empty), modules=modules),
+                              train_dataset=Rows(family, model.released, 32), data_collator=collate)
+        trainer.train()
+        results.append((step_losses(trainer), model.state_dict()))
+    (eager_losses, eager), (empty_losses, empty) = results
+    assert empty_losses == eager_losses
+    assert eager.keys() == empty.keys() and all(torch.equal(eager[k], empty[k]) for k in eager)
+
+
+def test_empty_init_refusals(tmp_path):
+    with pytest.raises(TypeError, match="takes no path and no empty_init"):
+        OmniModel.from_model(BUILDERS["llava"](), modules=MODULES["llava"], empty_init=True)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        OmniModel.from_model(type(BUILDERS["llava"]()), str(tmp_path), modules=MODULES["llava"], empty_init=True)
+    with pytest.raises(TypeError, match=r"takes no \['dtype'\]"):
+        OmniModel.from_model(type(BUILDERS["llava"]()), str(tmp_path), modules=MODULES["llava"], empty_init=True,
+                             dtype=torch.bfloat16)

@@ -2,7 +2,10 @@
 same global batches: Qwen2.5-VL with its carved-out projector sharded inside the sharded vision tower, LLaVA with
 a DDP projector between FSDP modules, mixed image / text-only rows under `group_by_modality` with accumulation;
 the export written by both ranks loads with the released class; a batch with images on one rank only raises the
-same error on every rank. Each case also resumes from its step-2 checkpoint, bitwise on every rank."""
+same error on every rank; Qwen2.5-VL built on the meta device from its released folder, each rank reading its own
+rows. Each case also resumes from its step-2 checkpoint, bitwise on every rank."""
+
+import os
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ from scripts.mp_adopted import CASES, run
 
 KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
-         "mixed": {"vision": "none", "projector": "ddp", "llm": "fsdp"}}
+         "mixed": {"vision": "none", "projector": "ddp", "llm": "fsdp"},
+         "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +45,19 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
     rows = Rows(family, exported, 32, text_only_every=extra.get("text_only_every", 0))
     with torch.no_grad():
         assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
+
+
+def test_empty_init_reads_each_byte_of_the_released_files_once(results):
+    """Every module sharded: the two ranks' reads of the released files add up to the file's tensors, each rank
+    about half (its own rows; no rank reads a whole module)."""
+    out, got = results
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "empty_init", "released-qwen2_5_vl", "model.safetensors"), "pt") as f:
+        total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    reads = [rank["read"] for rank in got["empty_init"]]
+    assert sum(reads) == total
+    assert max(reads) <= 0.55 * total
 
 
 def test_images_on_one_rank_only_raise_the_same_error_on_every_rank(results):

@@ -145,18 +145,44 @@ class AdoptedModel(OmniModel):
         return cls.adopt(released, {e.name: e.extra["paths"] for e in config.modules}, processor=processor).eval()
 
 
-def from_model(model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> AdoptedModel:
+def from_model(model, pretrained=None, *, modules: dict, processor=None, empty_init: bool = False,
+               **kwargs) -> AdoptedModel:
     """`from_model(instance, modules=...)`, or `from_model(ReleasedClass, "folder-or-repo", modules=...,
-    **from_pretrained_kwargs)`: the class's own `from_pretrained` loads it (every rank its copy)."""
+    **from_pretrained_kwargs)`: the class's own `from_pretrained` loads it (every rank its copy). `empty_init=True`:
+    built on the meta device instead, each module pending on the released files, which `OmniPlugin.prepare` reads
+    after wrapping (a sharded module: each rank its own rows; `modules.weights`)."""
     if isinstance(model, type):
         if not issubclass(model, PreTrainedModel) or pretrained is None:
             raise TypeError("from_model(cls, path, modules=...): cls a transformers model class and path its folder "
                             "or repo id")
-        if kwargs.pop("empty_init", False):
-            raise ValueError("from_model: empty_init=True is not supported for adopted models yet: load the model "
-                             "(from_model(cls, path, modules=...)) or pass an instance")
+        if empty_init:
+            return adopt_empty(model, str(pretrained), modules, processor, **kwargs)
         model = model.from_pretrained(pretrained, **kwargs)
         kwargs = {}
-    elif pretrained is not None:
-        raise TypeError("from_model(instance, modules=...) takes no path: the instance holds its weights")
+    elif pretrained is not None or empty_init:
+        raise TypeError("from_model(instance, modules=...) takes no path and no empty_init: the instance holds its "
+                        "weights (empty_init: from_model(cls, path, ...))")
     return AdoptedModel.adopt(model, modules, processor=processor, **kwargs)
+
+
+def adopt_empty(released_class, pretrained: str, modules: dict, processor=None, **kwargs) -> AdoptedModel:
+    """The released model built as `from_pretrained` would build it (saved dtype, ties, keep-in-fp32 plan,
+    generation config), on the meta device; every module pending on the released folder."""
+    from ..hub.ids import is_hub_id
+    from ..modules.empty_init import build_empty
+
+    hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
+    if kwargs:
+        raise TypeError(f"from_model(..., empty_init=True) takes no {sorted(kwargs)}: the module's dtype and "
+                        "placement are its `modules:` settings")
+    folder = pretrained
+    if not os.path.isdir(folder) and is_hub_id(folder):
+        from ..hub.download import download_module
+
+        folder = download_module(pretrained, hub["revision"], "(adopted model)", hub["token"], hub["cache_dir"])
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"from_model: {pretrained} has no config.json: not a saved {released_class.__name__}")
+    model = AdoptedModel.adopt(build_empty(released_class, folder), modules, processor=processor)
+    for slot in model.slots.values():
+        slot.pend(folder)
+    return model

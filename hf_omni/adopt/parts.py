@@ -119,6 +119,7 @@ def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
     for name, paths in mapping.items():
         part = parts[name] = Part(name, getattr(model, "config", None))
         part._tied_weights_keys = getattr(model, "_tied_weights_keys", None)  # the names are the released model's
+        part.__dict__["omni_released"] = model  # not a child: whose key conversion its files follow
         for path in paths:
             carved = sorted(p[len(path) + 1:] for _, p in every if p.startswith(path + "."))
             carved = [c for c in carved if not any(c.startswith(o + ".") for o in carved)]  # the nearest ones

@@ -193,9 +193,11 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
                                                                                    module_name) if unmapped else [])
     params = dict(module.named_parameters())
     missing = [n for n in missing if n in params]  # a buffer the files lack keeps its constructed value
-    if missing:
+    unstored = [n for n in missing if ".lora_" not in n]  # a fresh adapter is never in the base files
+    if unstored:
         logger.warning("hf_omni: module %r: %s has no stored value for %s; initialised by %s", module_name, folder,
-                       missing, type(module).__name__)
+                       unstored, type(getattr(module, "omni_released", module)).__name__)
+    if missing:
         _initialise(module, missing)
     return missing
 
@@ -214,11 +216,12 @@ def _initialise(module: nn.Module, names: list[str]) -> None:
     lora_layers = {owner.split(".lora_")[0] for owner in owners if ".lora_" in f".{owner}."}
     for layer in sorted(lora_layers):
         init_lora_layer(module.get_submodule(layer), lora_config_of(module))
+    model = getattr(module, "omni_released", module)  # an adopted model's module: the released model initialises
     for owner in sorted(owners):
         sub = module.get_submodule(owner)
         if ".lora_" in f".{owner}.":
             continue
-        if hasattr(module, "_init_weights"):
-            init_weights(module, sub)
+        if hasattr(model, "_init_weights"):
+            init_weights(model, sub)
         else:
             raise ValueError(f"no stored value and no initialisation for {owner}")

@@ -127,5 +127,6 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
         fill_module(slot.module, folder, torch.device("cpu") if offload else device, name)
         if offload:  # ... and never moves buffers: they stay where compute runs, as after a placed module's wrap
             move_buffers(slot.module, device)
-        lazy_init_roots(slot.module)
+    for name in shard_later:  # once all are read: a root's lazy init covers the units nested in it (adopted models)
+        lazy_init_roots(model.slots[name].module)
     return prepared

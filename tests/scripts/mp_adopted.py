@@ -6,6 +6,9 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 - llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
 - mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
 - each case saved at step 2 and resumed from there (another seed) at 2 ranks;
+- empty_init: Qwen2.5-VL from its released folder on the meta device (`from_model(cls, folder, empty_init=True)`),
+  every module sharded, each rank reading its own rows of the released files (LLM trained fully: a fresh LoRA's
+  draw differs per shard under empty_init);
 - lacking: rank 0's batch has images, rank 1's has none: every rank raises the same error.
 """
 
@@ -19,6 +22,9 @@ from launching import end_distributed
 from released_models import BUILDERS, MODULES, Rows, collate
 
 from hf_omni import OmniModel, OmniTrainer
+from hf_omni.testing.reads import count_reads
+
+READ = {"bytes": 0}  # in a launch: bytes hf_omni's safetensors reader requests (the empty_init case's files)
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 CASES = {
@@ -31,14 +37,31 @@ CASES = {
     "mixed": ("llava", {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                         "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
               dict(group_by_modality=True, gradient_accumulation_steps=2, global_batch=4, text_only_every=3)),
+    "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
+                                  "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
+                                  "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
 }
+
+
+def released_folder(out_dir: str, family: str) -> str:
+    """The family's tiny model saved once as a released checkpoint (rank 0 writes; the others wait)."""
+    folder = os.path.join(out_dir, f"released-{family}")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(folder):
+        BUILDERS[family]().save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
 
 
 def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: int, **overrides) -> OmniTrainer:
     extra = dict(extra)
     text_only = extra.pop("text_only_every", 0)
     per_device = extra.pop("global_batch", 8) // world
-    model = OmniModel.from_model(BUILDERS[family](), modules=MODULES[family])
+    if extra.pop("empty_init", False):
+        cls, folder = type(BUILDERS[family]()), released_folder(out_dir, family)
+        model = OmniModel.from_model(cls, folder, modules=MODULES[family], empty_init=True)
+    else:
+        model = OmniModel.from_model(BUILDERS[family](), modules=MODULES[family])
     rows = Rows(family, model.released, 32, text_only_every=text_only)
     args = make_args(out_dir, modules=modules, per_device_train_batch_size=per_device, max_grad_norm=1.0,
                      **extra, **overrides)
@@ -50,9 +73,10 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
     and a second run (another seed) resumed from there: the tensors that differ from the uninterrupted run's."""
     saving = dict(save_strategy="steps", save_steps=2) if resume else {}
     trainer = case_trainer(os.path.join(out_dir, name), family, modules, extra, world, **saving)
+    read_before = READ["bytes"]
     trainer.train()
     model = trainer.model
-    result = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    result = {"read": READ["bytes"] - read_before, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model)}
     if resume:
         again = case_trainer(os.path.join(out_dir, name, "resumed"), family, modules, extra, world, seed=7)
@@ -85,6 +109,8 @@ def lacking(out_dir: str) -> str | None:
 
 
 def main(out_dir: str):
+    global READ
+    READ = count_reads()
     results = {}
     for name, (family, modules, extra) in CASES.items():
         mine = run(out_dir, name, family, modules, extra, int(os.environ["WORLD_SIZE"]), resume=True)
