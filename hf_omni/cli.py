@@ -48,7 +48,7 @@ def export(checkpoint: str, out: str) -> None:
     os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete
 
 
-def push(folder: str, repo_id: str, hub_layout: str, private: bool, revision: str | None) -> dict[str, str]:
+def push(folder: str, repo_id: str, hub_layout: str | None, private: bool, revision: str | None) -> dict[str, str]:
     """Push an export, or a complete checkpoint (its sha256s checked when it recorded them)."""
     from .hub.push import push_saved
 
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     push_parser = commands.add_parser("push", help="push an export or checkpoint: module repos + composition repo")
     push_parser.add_argument("folder")
     push_parser.add_argument("repo_id")
-    push_parser.add_argument("--hub-layout", default="per_module", choices=LAYOUTS)
+    push_parser.add_argument("--hub-layout", default=None, choices=LAYOUTS, help="a composed model's layout "
+                             "(default per_module); unset for an adopted model (one repo, its released format)")
     push_parser.add_argument("--private", action="store_true", help="create missing repos private")
     push_parser.add_argument("--revision", default=None, help="the branch to push to (created from main)")
     encode_parser = commands.add_parser("encode", help="only build the offline caches of a training run: "

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from .config import ModuleEntry, OmniConfig, module_folder
 from .dist import is_main
-from .hub.download import download_composition, hub_origin, linked_folders
+from .hub.download import adopted_folder, download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
 from .modules.classes import (
     class_record, embeddings_of, is_token_embedding, original_class, per_module, resolve_module_class,
@@ -199,10 +199,10 @@ class OmniModel(PreTrainedModel):
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
-        if os.path.isfile(os.path.join(root, "hf_omni.json")):  # an adopted model, in its released format
-            from .adopt.model import AdoptedModel
-            return AdoptedModel.from_saved(root, **kwargs)
         hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
+        if adopted_folder(root, **hub):  # an adopted model, in its released format (a folder or a repo)
+            from .adopt.model import AdoptedModel
+            return AdoptedModel.from_saved(root, **hub, **kwargs)
         if is_hub_id(root):  # a composition repo: its config, then exactly the module files it needs
             root, config, folders = download_composition(root, **hub)
         elif not os.path.isfile(os.path.join(root, "config.json")):
@@ -230,7 +230,7 @@ class OmniModel(PreTrainedModel):
                 slot.pend(folder_of[name])
         return model if empty_init else model.eval()
 
-    def push_to_hub(self, repo_id: str, *, hub_layout: str = "per_module", modules: dict | None = None,
+    def push_to_hub(self, repo_id: str, *, hub_layout: str | None = None, modules: dict | None = None,
                     token: str | None = None, private: bool | None = None, revision: str | None = None,
                     commit_message: str = "Upload with hf_omni", merge_lora: bool = False,
                     is_main_process: bool = True) -> dict[str, str] | None:

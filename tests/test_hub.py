@@ -1,6 +1,6 @@
 """Per-module pushes to a loopback Hub (the real huggingface_hub client uploads): both layouts, a frozen module
 linked not uploaded, cards, loading the composition back by repo id, pushes at save time in the background, a push
-failing mid-way, and the token written nowhere."""
+failing mid-way, and the token written nowhere; an adopted model as one repo in its released format."""
 
 import json
 import logging
@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 from helpers import make_args, tiny_data, tiny_model
+from released_models import BUILDERS, Rows, collate
+from released_models import MODULES as RELEASED_MODULES
 
 from hf_omni import OmniModel, OmniTrainer
 from hf_omni.checkpoint.files import check_complete
@@ -337,3 +339,45 @@ def test_a_released_encoder_with_its_tokenizer_is_linked_not_uploaded(hub, tmp_p
         loaded = TextPrefixed.from_pretrained(f"org/minilm-{changed}")
         torch.testing.assert_close(logits_of(loaded, batch), logits_of(model, batch), atol=1e-5, rtol=0)
         assert loaded.processors["encoder"]("a b")["input_ids"] == tokenizer("a b")["input_ids"]
+
+
+# -- an adopted model (`OmniModel.from_model`): one repo in its released format ---------------------------------
+ADOPTED = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2},
+            "llm": {"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}
+
+
+def adopted_trainer(out, **overrides):
+    model = OmniModel.from_model(BUILDERS["llava"](), modules=RELEASED_MODULES["llava"])
+    args = make_args(out, modules=ADOPTED, push_to_hub=True, hub_model_id="org/llava-ft", **overrides)
+    return OmniTrainer(model=model, args=args, train_dataset=Rows("llava", model.released, 32),
+                       data_collator=collate)
+
+
+def test_an_adopted_model_pushes_one_repo_in_the_released_format_and_loads_back(hub, tmp_path):
+    run = adopted_trainer(tmp_path, hub_strategy="checkpoint", save_strategy="steps", save_steps=2)
+    run.train()
+    run.push_to_hub(blocking=True)
+    assert [r for r in hub.repos if r.startswith("org/llava-ft")] == ["org/llava-ft"]  # no per-module repos
+    files = hub.files("org/llava-ft")
+    top = {p for p in files if "/" not in p}
+    assert {"config.json", "model.safetensors", "hf_omni.json", "generation_config.json", "README.md"} <= top
+    assert json.loads(files["config.json"])["architectures"] == ["LlavaForConditionalGeneration"]
+    assert "last-checkpoint/released/model.safetensors" in files  # hub_strategy checkpoint: the last one beside
+    assert any(p.startswith("last-checkpoint/projector/") for p in files)
+    card = files["README.md"].decode()
+    assert "LlavaForConditionalGeneration.from_pretrained(\"org/llava-ft\")" in card and "`model.vision_tower`" in card
+    batch = collate([run.train_dataset[i] for i in range(4)])
+    run.model.eval()
+    with torch.no_grad():
+        live = run.model(**batch).logits
+        released = type(run.model.released).from_pretrained("org/llava-ft").eval()
+        assert (released(**batch).logits - live).abs().max().item() <= 1e-5
+        again = OmniModel.from_pretrained("org/llava-ft")
+        assert type(again).__name__ == "AdoptedModel" and again.module_names == list(RELEASED_MODULES["llava"])
+        assert (again(**batch).logits - live).abs().max().item() <= 1e-5
+
+
+def test_an_adopted_model_refuses_a_per_module_layout_before_any_compute(tmp_path):
+    with pytest.raises(ValueError, match="an adopted model is pushed as one repo in its released format: leave "
+                                         "hub_layout unset"):
+        adopted_trainer(tmp_path, hub_layout="per_module")

@@ -20,7 +20,7 @@ import types
 
 from transformers import PreTrainedModel
 
-from ..config import ModuleEntry, OmniConfig
+from ..config import ADOPTED_FILE, RELEASED_FOLDER, ModuleEntry, OmniConfig
 from ..modeling import OmniModel
 from ..modules.classes import class_record, original_class, resolve_module_class
 from .inputs import check_same_inputs
@@ -28,8 +28,6 @@ from .parts import build_parts, normalise, sync_into
 
 MODALITY_INPUTS = {"image": ["pixel_values", "image_grid_thw", "pixel_attention_mask"],
                    "video": ["pixel_values_videos", "video_grid_thw"], "audio": ["input_features", "input_values"]}
-ADOPTED_FILE = "hf_omni.json"  # beside the released model's own files: the modules= mapping and its class
-RELEASED_FOLDER = "released"  # a checkpoint's copy of the model in its released format
 
 
 class AdoptedModel(OmniModel):
@@ -131,8 +129,16 @@ class AdoptedModel(OmniModel):
         self.omni_config().save_pretrained(directory)
 
     @classmethod
-    def from_saved(cls, folder: str, **kwargs) -> "AdoptedModel":
-        """A folder `save_pretrained` wrote: the released class loads it, then it is adopted with its mapping."""
+    def from_saved(cls, folder: str, revision: str | None = None, token=None, cache_dir=None,
+                   **kwargs) -> "AdoptedModel":
+        """A folder `save_pretrained` wrote (or a repo it was pushed to): the released class loads it, then it is
+        adopted with its mapping."""
+        from ..hub.ids import is_hub_id
+
+        if is_hub_id(folder):  # the repo's released-format files, at one commit
+            from ..hub.download import download_module
+
+            folder = download_module(folder, revision, "(adopted model)", token, cache_dir)
         config = OmniConfig.from_json_file(os.path.join(folder, ADOPTED_FILE))
         released_class = resolve_module_class(config.adopted["class"], "(adopted model)")
         released = released_class.from_pretrained(folder, **kwargs)

@@ -53,9 +53,10 @@ class OmniTrainingArguments(TrainingArguments):
         "help": "Fully frozen modules whose @offline_encoder outputs are cached and fed to forward instead."})
     offline_cache_dir: str | None = field(default=None, metadata={
         "help": "Where offline caches live (default <output_dir>/offline_cache)."})
-    hub_layout: str = field(default="per_module", metadata={
-        "help": "per_module: each module to its own repo plus the composition repo hub_model_id | single: one repo "
-                "with a subfolder per module."})
+    hub_layout: str | None = field(default=None, metadata={
+        "help": "per_module (unset: the default of composed models): each module to its own repo plus the "
+                "composition repo hub_model_id | single: one repo with a subfolder per module. Unset for an adopted "
+                "model: one repo in its released format."})
     offline_cache: str = field(default="auto", metadata={
         "help": "auto: a stale offline cache is recomputed | read_only: a stale or missing one is an error."})
     group_by_modality: bool = field(default=False, metadata={
@@ -100,7 +101,7 @@ class OmniTrainingArguments(TrainingArguments):
 
     def _validate(self) -> None:
         for name, choices in (("fsdp_scope", FSDP_SCOPES), ("grad_clip_scope", GRAD_CLIP_SCOPES),
-                              ("offline_cache", ("auto", "read_only")), ("hub_layout", LAYOUTS)):
+                              ("offline_cache", ("auto", "read_only")), ("hub_layout", (None, *LAYOUTS))):
             if getattr(self, name) not in choices:
                 raise OmniArgumentError(None, name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if self.group_by_modality and self.train_sampling_strategy not in ("random", "sequential"):

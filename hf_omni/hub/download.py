@@ -42,6 +42,17 @@ def download_module(repo_id: str, revision: str | None, name: str, token=None, c
     return folder
 
 
+def adopted_folder(root: str, revision: str | None = None, token=None, cache_dir=None) -> bool:
+    """Whether `root` (a folder or a repo id) holds an adopted model in its released format (`hf_omni.json`)."""
+    from ..config import ADOPTED_FILE
+
+    if not is_hub_id(root):
+        return os.path.isfile(os.path.join(root, ADOPTED_FILE))
+    from huggingface_hub import HfApi
+
+    return HfApi().file_exists(root, ADOPTED_FILE, revision=revision, token=token)
+
+
 def download_composition(repo_id: str, revision: str | None = None, token=None,
                          cache_dir=None) -> tuple[str, OmniConfig, dict[str, str]]:
     """The composition `repo_id` at `revision`: (local root, its config, {module: local folder})."""

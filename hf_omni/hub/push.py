@@ -27,6 +27,7 @@ from .cards import composition_card, module_card, read_summary
 from .checkpoint_push import folder_operations
 from .ids import LAYOUTS
 from .link import rebuilds_from_origin
+from .released_push import push_released, released_files
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def commit(api, repo_id: str, operations: list, message: str, what: str, token, 
     return info.oid
 
 
-def push_saved(root: str, repo_id: str, *, layout: str = "per_module", modules: dict | None = None,
+def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: dict | None = None,
                token: str | None = None, private: bool | None = None, revision: str | None = None,
                commit_message: str = "Upload with hf_omni", extra_folders: dict[str, str] | None = None,
                pushed: dict[str, tuple[str, str]] | None = None, cards: bool = True) -> dict[str, str]:
@@ -133,9 +134,16 @@ def push_saved(root: str, repo_id: str, *, layout: str = "per_module", modules: 
     `modules`: per-module `{push_to_hub, hub_model_id}`; `extra_folders`: `{path_in_repo: folder}` added to the
     composition's commit (a checkpoint under `last-checkpoint/`); `pushed`: `{module: (repo, commit)}` of modules
     already uploaded unchanged (a frozen module, by an earlier push of this run), updated in place.
-    Returns `{repo_id: commit}` of the commits made."""
+    Returns `{repo_id: commit}` of the commits made. An adopted model's export or checkpoint: one repo in its
+    released format (`released_push`)."""
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.utils import tqdm
+
+    released = released_files(root)
+    if released is not None:
+        return push_released(released, repo_id, layout=layout, token=token, private=private, revision=revision,
+                             commit_message=commit_message, extra_folders=extra_folders, cards=cards)
+    layout = layout or "per_module"
 
     config = OmniConfig.from_pretrained(root)
     plans = plan_modules(root, config, repo_id, layout, modules)

@@ -20,6 +20,7 @@ import logging
 import os
 
 from ..hub.push import plan_modules, push_saved
+from ..hub.released_push import check_released_layout
 
 logger = logging.getLogger(__name__)
 HUB_KEYS = ("push_to_hub", "hub_model_id")
@@ -32,8 +33,11 @@ def hub_modules(args) -> dict:
 
 def check_hub_links(args, model) -> None:
     """Before any compute: every `push_to_hub: false` module has a repo to link to."""
-    if args.push_to_hub:
-        plan_modules(None, model.config, args.hub_model_id or "unnamed", args.hub_layout, hub_modules(args))
+    if args.push_to_hub and getattr(model.config, "adopted", None):  # one repo, the released format
+        check_released_layout(args.hub_layout)
+    elif args.push_to_hub:
+        plan_modules(None, model.config, args.hub_model_id or "unnamed", args.hub_layout or "per_module",
+                     hub_modules(args))
 
 
 class BackgroundPush:
