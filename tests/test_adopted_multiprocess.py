@@ -3,14 +3,15 @@ same global batches: Qwen2.5-VL with its carved-out projector sharded inside the
 a DDP projector between FSDP modules, mixed image / text-only rows under `group_by_modality` with accumulation;
 the export written by both ranks loads with the released class; a batch with images on one rank only raises the
 same error on every rank; Qwen2.5-VL built on the meta device from its released folder, each rank reading its own
-rows. Each case also resumes from its step-2 checkpoint, bitwise on every rank."""
+rows. Each case also resumes from its step-2 checkpoint, bitwise on every rank, and at one process (elastic)."""
 
 import os
 
 import pytest
 import torch
 from released_models import BUILDERS, Rows, collate
-from scripts.mp_adopted import CASES, run
+from helpers import full_state
+from scripts.mp_adopted import CASES, case_trainer, run
 
 KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
@@ -45,6 +46,21 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
     rows = Rows(family, exported, 32, text_only_every=extra.get("text_only_every", 0))
     with torch.no_grad():
         assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "llava"])
+def test_a_two_rank_checkpoint_resumes_at_one_process(results, tmp_path, case):
+    """Elastic resume: the step-2 checkpoint the 2 ranks wrote (sharded and DDP modules), resumed by one process,
+    ends where the uninterrupted one-process run ends."""
+    out, _ = results
+    family, modules, extra = CASES[case]
+    single = run(str(tmp_path), case, family, modules, extra, world=1)
+    elastic = case_trainer(str(tmp_path / "elastic"), family, modules, extra, 1, seed=7)
+    elastic.train(resume_from_checkpoint=str(out / case / "checkpoint-2"))
+    state = full_state(elastic.model)
+    assert state.keys() == single["state"].keys()
+    for key, value in single["state"].items():
+        assert (state[key] - value).abs().max().item() <= 1e-5, key
 
 
 def test_empty_init_reads_each_byte_of_the_released_files_once(results):
