@@ -57,18 +57,20 @@ MODULES = {
 BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "paligemma": paligemma}
 
 
-def image_prefix(family: str, model) -> list[int]:
+def image_prefix(family: str, model, wide: bool = False) -> list[int]:
     """The tokens standing for one image in the text, as the family's processor writes them."""
     if family == "qwen2_5_vl":
-        return [model.config.vision_start_token_id] + [model.config.image_token_id] * IMAGE_TOKENS
+        return [model.config.vision_start_token_id] + [model.config.image_token_id] * IMAGE_TOKENS * (2 if wide else 1)
     return [model.config.image_token_index] * IMAGE_TOKENS
 
 
-def pixels(family: str, generator) -> dict[str, torch.Tensor]:
+def pixels(family: str, generator, wide: bool = False) -> dict[str, torch.Tensor]:
     """One image in the family's input format: LLaVA / PaliGemma a 3x8x8 image; Qwen2.5-VL its 16 flattened 2x2
-    patches (4x4 grid) and the grid."""
+    patches (4x4 grid) and the grid, `wide`: 32 patches (a 4x8 grid, twice the image tokens)."""
     if family == "qwen2_5_vl":
-        return {"pixel_values": torch.randn(16, 12, generator=generator), "image_grid_thw": torch.tensor([1, 4, 4])}
+        width = 8 if wide else 4
+        return {"pixel_values": torch.randn(4 * width, 12, generator=generator),
+                "image_grid_thw": torch.tensor([1, 4, width])}
     return {"pixel_values": torch.randn(3, 8, 8, generator=generator)}
 
 
@@ -76,17 +78,18 @@ class Rows(torch.utils.data.Dataset):
     """`n` rows of one image and 6 text tokens (labels: the text; -100 under the image tokens); `text_only`: every
     k-th row has no image (`modalities` says which rows do)."""
 
-    def __init__(self, family: str, model, n: int, seed: int = 0, text_only_every: int = 0):
+    def __init__(self, family: str, model, n: int, seed: int = 0, text_only_every: int = 0, wide_every: int = 0):
         generator = torch.Generator().manual_seed(seed)
         vocab = model.config.get_text_config().vocab_size
         self.rows = []
         for i in range(n):
             text = torch.randint(2, 60, (6,), generator=generator).tolist()
-            image = pixels(family, generator)
+            wide = bool(wide_every) and i % wide_every == 1  # Qwen2.5-VL: mixed resolutions
+            image = pixels(family, generator, wide)
             if text_only_every and i % text_only_every == 0:
                 self.rows.append({"input_ids": torch.tensor(text), "labels": torch.tensor(text)})
                 continue
-            prefix = image_prefix(family, model)
+            prefix = image_prefix(family, model, wide)
             assert max(prefix) < vocab
             row = {"input_ids": torch.tensor(prefix + text), "labels": torch.tensor([-100] * len(prefix) + text),
                    **image}
@@ -103,19 +106,30 @@ class Rows(torch.utils.data.Dataset):
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Text padded on the left (pad 0, labels -100, attention mask 0); LLaVA / PaliGemma images stacked,
     Qwen2.5-VL's patches concatenated with one grid row per image."""
+    batch = images_of(rows)
+    if "input_ids" not in rows[0]:  # an offline encoder's batch: its inputs only
+        return batch
     width = max(len(r["input_ids"]) for r in rows)
-    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-             "labels": torch.full((len(rows), width), -100, dtype=torch.long),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
+    batch |= {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+              "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+              "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         batch["input_ids"][i, width - n:] = row["input_ids"]
         batch["labels"][i, width - n:] = row["labels"]
         batch["attention_mask"][i, width - n:] = 1
+    return batch
+
+
+def images_of(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """The rows' images; Qwen2.5-VL's grids also for rows served from an offline cache (their pixels dropped)."""
+    batch = {}
     images = [r for r in rows if "pixel_values" in r]
     if images and "image_grid_thw" in images[0]:
         batch["pixel_values"] = torch.cat([r["pixel_values"] for r in images])
-        batch["image_grid_thw"] = torch.stack([r["image_grid_thw"] for r in images])
     elif images:
         batch["pixel_values"] = torch.stack([r["pixel_values"] for r in images])
+    grids = [r["image_grid_thw"] for r in rows if "image_grid_thw" in r]
+    if grids:
+        batch["image_grid_thw"] = torch.stack(grids)
     return batch

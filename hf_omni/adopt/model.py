@@ -24,6 +24,7 @@ from ..config import ADOPTED_FILE, RELEASED_FOLDER, ModuleEntry, OmniConfig
 from ..modeling import OmniModel
 from ..modules.classes import class_record, original_class, resolve_module_class
 from .inputs import check_same_inputs
+from .offline import served_signature
 from .parts import build_parts, normalise, sync_into
 
 MODALITY_INPUTS = {"image": ["pixel_values", "image_grid_thw", "pixel_attention_mask"],
@@ -50,7 +51,7 @@ class AdoptedModel(OmniModel):
         def forward(self, *args, **kwargs):  # the released forward's signature: Trainer keeps the columns it takes
             return self.run_released(*args, **kwargs)
 
-        forward.__signature__ = inspect.signature(type(released).forward)
+        forward.__signature__ = served_signature(inspect.signature(type(released).forward))
         self.forward = types.MethodType(forward, self)  # bound: a deep copy rebinds it to the copy
 
     @classmethod
@@ -71,12 +72,25 @@ class AdoptedModel(OmniModel):
     # -- running ---------------------------------------------------------------------------------
     def run_released(self, *args, **kwargs):
         from ..offline.missing_modality import runs_collectives
+        from .offline import served_outputs
 
+        cached = served_outputs(self, kwargs)  # offline modules: their cached outputs, the forward's own way
+        if cached:
+            kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), **cached}
         if runs_collectives(self):  # every rank given the same arguments, or all raise alike
             bound = dict(zip(self.argument_names, args), **kwargs)
             check_same_inputs(self.argument_names, bound, [n for n, s in self.slots.items()
                                                            if s.strategy is not None and s.strategy.collective])
         return self.released(*args, **kwargs)
+
+    def released_encoders(self) -> dict:
+        """Module -> its `offline_encoder` setting as a spec (`adopt.offline`)."""
+        from .offline import released_specs
+        return released_specs(self)
+
+    def released_encoder(self, spec):
+        from .offline import released_encoder
+        return released_encoder(self, spec)
 
     def modality_columns(self) -> dict[str, list[str]]:
         """`group_by_modality`: the released forward's inputs that carry each modality (those it takes)."""

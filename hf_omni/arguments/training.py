@@ -172,7 +172,7 @@ class OmniTrainingArguments(TrainingArguments):
             for key in ("lr_scheduler_kwargs", "fsdp_plugin", "activation_checkpointing_kwargs"):
                 values[key] = values[key] or {}
             values["max_grad_norm"] = values["max_grad_norm"] or 0.0
-            values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id")})
+            values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id", "offline_encoder")})
             trainable = overlay.get("trainable", True)
             if not trainable:
                 values["lora"] = None

@@ -12,7 +12,6 @@ valid. Read memory-mapped (`load_from_disk`), each row found by its source index
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -26,6 +25,7 @@ from ..checkpoint.shard_writer import raw_bytes
 from ..dist import agreed, is_main, rank, world_size
 from ..progress import each
 from .ragged import row_counts, split_rows
+from .spec import encoder_code, encoder_function
 
 MANIFEST = "manifest.json"
 
@@ -95,7 +95,7 @@ def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict
     return {"weights": files_hash(folder) if folder else tensors_hash(dict(module.state_dict())),
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
             "dtype": ",".join(dtypes),
-            "encoder": code_hash(getattr(type(model), spec.method)),
+            "encoder": code_hash(encoder_code(model, spec)),
             "collator": code_hash(collator),
             "dataset": dataset_hash(dataset, spec.inputs),
             "hf_omni": importlib.import_module(__package__.split(".")[0]).__version__,
@@ -169,7 +169,7 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device):
     """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs; yields
     them in parts of about `HELD` bytes of outputs (at least one part, maybe empty), so that encoding holds a
     bounded amount whatever the dataset's size."""
-    method = functools.partial(getattr(type(model), spec.method).encoder_function, model)  # no cross-rank step
+    method = encoder_function(model, spec)  # no cross-rank step
     out, held, parts = _empty_part(), 0, 0
     mine = list(range(rank(), len(dataset), world_size()))
     for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):

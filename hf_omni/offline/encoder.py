@@ -64,14 +64,20 @@ def offline_encoder(module: str, inputs: list[str], output: str, ragged: str | N
 def check_offline_modules(model, offline: list[str]) -> None:
     """Every `offline_modules` entry: a module of `model`, with an `@offline_encoder`, fully frozen (its slot's
     resolved arguments); each one's slot gets its encoder."""
+    adopted = hasattr(model, "released_encoders")
+    for slot in model.slots.values():
+        if not adopted and getattr(slot.args, "offline_encoder", None):
+            raise OmniArgumentError(slot.name, "offline_encoder", "names an adopted model's method (`from_model`); "
+                                    "a composed model declares its entry point with @offline_encoder")
     encoders = offline_encoders(model)
     for name in offline:
         if name not in model.module_names:
             raise OmniArgumentError(None, "offline_modules", f"{name!r} is not a module of {type(model).__name__} "
                                     f"{model.module_names}")
         if name not in encoders:
-            raise OmniArgumentError(name, "offline_modules", f"{type(model).__name__} declares no "
-                                    f"@offline_encoder(module={name!r}, ...) method")
+            raise OmniArgumentError(name, "offline_modules", f"set modules.{name}.offline_encoder (the released "
+                                    "model's get_image_features)" if adopted else f"{type(model).__name__} declares "
+                                    f"no @offline_encoder(module={name!r}, ...) method")
         margs = model.slots[name].args
         if margs.trainable or margs.lora:
             raise OmniArgumentError(name, "trainable" if margs.trainable else "lora",

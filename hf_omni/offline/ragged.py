@@ -32,8 +32,10 @@ def items_of(spec, result) -> list[torch.Tensor]:
 
 
 def row_counts(spec, rows: list[dict]) -> list[int]:
-    """How many items each row holds: the first dimension of its `items` column (one per row without one)."""
-    return [len(torch.as_tensor(row[spec.items])) if spec.items else 1 for row in rows]
+    """How many items each row holds: the first dimension of its `items` column (one per row without one, or with
+    a 1-D one: a single image's grid)."""
+    counts = [torch.as_tensor(row[spec.items]) if spec.items else None for row in rows]
+    return [len(t) if t is not None and t.dim() > 1 else 1 for t in counts]
 
 
 def split_rows(spec, result, counts: list[int]) -> list[torch.Tensor]:

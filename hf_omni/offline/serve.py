@@ -34,7 +34,7 @@ class CachedRows(torch.utils.data.Dataset):
 
     def __init__(self, source, caches: dict):
         self.caches = caches
-        self.dropped = {c for spec in caches for c in spec.inputs}
+        self.dropped = {c for spec in caches for c in spec.dropped}
         if hasattr(source, "remove_columns"):  # a datasets.Dataset never reads the dropped columns
             source = source.remove_columns(sorted(self.dropped & set(source.column_names)))
         self.source = source

@@ -14,7 +14,8 @@ class OfflineEncoder:
     """The module, the input columns the method reads, the column it writes, the method's name; for outputs of
     different lengths per item (a Qwen2.5-VL tower's tokens per image), their form (`ragged`: "tuple" of per-item
     tensors, or "concat": `(values, sizes)`) and the input column whose first dimension counts a row's items
-    (`items`; None: one item per row)."""
+    (`items`; None: one item per row). `keeps`: inputs the model's forward reads too (Qwen2.5-VL's `image_grid_thw`,
+    for its position ids), served beside the cached output instead of dropped."""
 
     module: str
     inputs: tuple[str, ...]
@@ -22,6 +23,12 @@ class OfflineEncoder:
     method: str
     ragged: str | None = None
     items: str | None = None
+    keeps: tuple[str, ...] = ()
+
+    @property
+    def dropped(self) -> tuple[str, ...]:
+        """The input columns a served row no longer has (its cached output stands in for them)."""
+        return tuple(c for c in self.inputs if c not in self.keeps)
 
 
 @functools.cache
@@ -31,8 +38,26 @@ def class_encoders(cls) -> tuple[OfflineEncoder, ...]:
                                                                          None), OfflineEncoder))
 
 
+def encoder_function(model, spec: OfflineEncoder):
+    """What encodes `spec`'s inputs, without the cross-rank exchange: the `@offline_encoder` method's own body, or
+    an adopted model's released method (`adopt.offline`)."""
+    if hasattr(model, "released_encoder"):
+        return model.released_encoder(spec)
+    return functools.partial(getattr(type(model), spec.method).encoder_function, model)
+
+
+def encoder_code(model, spec: OfflineEncoder):
+    """The function whose source is part of a cache's fingerprint."""
+    if hasattr(model, "released_encoder"):
+        return getattr(type(model.released), spec.method)
+    return getattr(type(model), spec.method)
+
+
 def offline_encoders(model) -> dict[str, OfflineEncoder]:
-    """The encoders `model`'s class declares, by module (two for one module: an error)."""
+    """The encoders `model`'s class declares, by module (two for one module: an error); an adopted model's are
+    its modules' `offline_encoder` settings."""
+    if hasattr(model, "released_encoders"):
+        return model.released_encoders()
     found: dict[str, OfflineEncoder] = {}
     for spec in class_encoders(type(model)):
         if spec.module in found:
