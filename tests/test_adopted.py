@@ -204,3 +204,28 @@ def test_empty_init_refusals(tmp_path):
     with pytest.raises(TypeError, match=r"takes no \['dtype'\]"):
         OmniModel.from_model(type(BUILDERS["llava"]()), str(tmp_path), modules=MODULES["llava"], empty_init=True,
                              dtype=torch.bfloat16)
+
+
+def test_a_module_that_is_one_pretrained_model_gets_its_own_folder_on_request(tmp_path):
+    """`save_pretrained(out, module_folders=[...])`: LLaVA's vision tower (a CLIPVisionModel) also as its own HF
+    folder, loadable alone; a module of several paths, a carved one or a LoRA one is refused before writing."""
+    from transformers import CLIPVisionModel
+
+    model = adopted("llava")
+    OmniTrainer(model=model, args=make_args(tmp_path / "run", modules={**SETTINGS, "vision": {"learning_rate": 1e-2}}),
+                train_dataset=Rows("llava", model.released, 32), data_collator=collate).train()
+    model.save_pretrained(tmp_path / "out", module_folders=["vision"])
+    vision = CLIPVisionModel.from_pretrained(tmp_path / "out" / "vision")
+    trained = model.released.model.vision_tower.state_dict()
+    assert vision.state_dict().keys() == trained.keys()
+    assert all(torch.equal(vision.state_dict()[k], trained[k]) for k in trained)
+    assert not (tmp_path / "out" / "llm").exists()
+    for name, why in (("llm", r"\['model.language_model', 'lm_head'\]\) is not one PreTrainedModel"),
+                      ("projector", r"\['model.multi_modal_projector'\]\) is not one PreTrainedModel"),
+                      ("nope", "is not a module")):
+        with pytest.raises(ValueError, match=why):
+            model.save_pretrained(tmp_path / "refused", module_folders=[name])
+        assert not (tmp_path / "refused").exists()
+    qwen = adopted("qwen2_5_vl")
+    with pytest.raises(ValueError, match=r"module 'vision' \(\['model.visual'\]\) is not one PreTrainedModel with all"):
+        qwen.save_pretrained(tmp_path / "refused", module_folders=["vision"])  # its merger carved out

@@ -52,3 +52,50 @@ def export_original(model, folder: str, is_main_process: bool, max_shard_size) -
             remove_weight_files(folder)
     with agreed(f"adopted model: writing {folder}", checkpoint_group()):
         write()
+
+
+def module_folder_root(model, name: str):
+    """The one `PreTrainedModel` module `name` is, or an error saying why it has no folder of its own."""
+    from transformers import PreTrainedModel
+
+    from ..modules.lora import lora_config_of
+
+    if name not in model.slots:
+        raise ValueError(f"module_folders: {name!r} is not a module of the adopted model {model.module_names}")
+    slot = model.slots[name]
+    roots = slot.module.omni_roots
+    if len(roots) != 1 or roots[0].carved or not isinstance(roots[0].module, PreTrainedModel):
+        paths = [r.path for r in roots]
+        raise ValueError(f"module_folders: module {name!r} ({paths}) is not one PreTrainedModel with all its "
+                         "tensors: only such a module has an HF folder of its own")
+    if lora_config_of(slot.module) is not None:
+        raise ValueError(f"module_folders: module {name!r} has LoRA adapters; its weights are exported merged in the "
+                         "released files only")
+    return slot, roots[0]
+
+
+def export_module_folders(model, directory: str, names: list[str], is_main_process: bool, max_shard_size) -> None:
+    """`<directory>/<module>/`: each named module as the HF folder of its `PreTrainedModel` (its class's own
+    `save_pretrained` format, loadable alone), written as a composed model's modules are."""
+    from ..modules.folder_plan import plan_folder
+    from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
+
+    chosen = [module_folder_root(model, name) for name in names]  # every refusal before anything is written
+    for slot, root in chosen:
+        folder = os.path.join(directory, slot.name)
+        prefix = root.path + "."
+        dtypes = {k[len(prefix):]: v for k, v in slot.export_dtypes.items() if k.startswith(prefix)}
+        plan = plan_folder(root.module, dtypes, max_shard_size)
+        write = functools.partial(write_module_folder, root.module, folder, plan, None, dtypes=dtypes)
+        if not has_shards(root.module):
+            if is_main_process:
+                os.makedirs(folder, exist_ok=True)
+                remove_weight_files(folder)
+                write(solo=True)
+            continue
+        with agreed(f"module {slot.name!r}: preparing {folder}", checkpoint_group()):
+            if is_main():
+                os.makedirs(folder, exist_ok=True)
+                remove_weight_files(folder)
+        with agreed(f"module {slot.name!r}: writing {folder}", checkpoint_group()):
+            write()

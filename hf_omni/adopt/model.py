@@ -117,18 +117,24 @@ class AdoptedModel(OmniModel):
 
     # -- save / load -----------------------------------------------------------------------------
     def save_pretrained(self, save_directory, is_main_process: bool = True, merge_lora: bool = True,
-                        max_shard_size: str | int = "50GB", **kwargs) -> None:
+                        max_shard_size: str | int = "50GB", module_folders: list[str] | None = None,
+                        **kwargs) -> None:
         """The released class's own format, written as `OmniModel` writes its modules (every rank its own rows of a
         sharded module's tensors), and `hf_omni.json`. LoRA is always merged (`merge_lora` is ignored): the released
-        format holds no adapters."""
+        format holds no adapters. `module_folders`: modules that are one `PreTrainedModel` (LLaVA's
+        `model.vision_tower`) also written as `<save_directory>/<module>/`, each loadable alone."""
         from ..dist import is_main
-        from .export import export_original
+        from .export import export_module_folders, export_original, module_folder_root
 
         if kwargs.get("state_dict") is not None:
             raise ValueError("AdoptedModel.save_pretrained writes its modules' own state; `state_dict=` is not "
                              "supported")
+        for name in module_folders or []:
+            module_folder_root(self, name)  # refused before anything is written
         save_directory, is_main_process = str(save_directory), is_main_process and is_main()
         export_original(self, save_directory, is_main_process, max_shard_size)
+        if module_folders:
+            export_module_folders(self, save_directory, list(module_folders), is_main_process, max_shard_size)
         if is_main_process:
             self.omni_config().to_json_file(os.path.join(save_directory, ADOPTED_FILE))
 
