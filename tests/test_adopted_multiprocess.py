@@ -11,11 +11,12 @@ import pytest
 import torch
 from released_models import BUILDERS, Rows, collate
 from helpers import full_state
-from scripts.mp_adopted import CASES, case_trainer, run
+from scripts.mp_adopted import CASES, case_rows, case_trainer, run
 
 KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "mixed": {"vision": "none", "projector": "ddp", "llm": "fsdp"},
+         "offline": {"vision": "offline", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 
@@ -43,7 +44,7 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
         assert (state[key] - value).abs().max().item() <= 1e-5, key
     cls = type(BUILDERS[family]())
     exported = cls.from_pretrained(out / case / "export").eval()
-    rows = Rows(family, exported, 32, text_only_every=extra.get("text_only_every", 0))
+    rows = case_rows(family, exported, extra)
     with torch.no_grad():
         assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
 

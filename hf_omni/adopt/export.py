@@ -30,7 +30,24 @@ def merge_plan(model) -> dict | None:
 
 
 def export_original(model, folder: str, is_main_process: bool, max_shard_size) -> None:
-    """Every rank with sharded modules (each its rows); otherwise the main process alone."""
+    """Every rank with sharded modules (each its rows); otherwise the main process alone. An offline module (on
+    the meta device) is read back from its recorded source on the CPU for the write, then dropped again: each rank
+    holds that frozen module whole in host memory while an export or checkpoint is written."""
+    import torch
+
+    from ..modules.weights import fill_module
+
+    offline = [slot for slot in model.slots.values() if slot.is_released]
+    for slot in offline:
+        fill_module(slot.module, slot.entry.source, torch.device("cpu"), slot.name)
+    try:
+        write_original(model, folder, is_main_process, max_shard_size)
+    finally:
+        for slot in offline:
+            slot.module.to("meta")
+
+
+def write_original(model, folder: str, is_main_process: bool, max_shard_size) -> None:
     from ..modules.folder_plan import plan_folder
     from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
 

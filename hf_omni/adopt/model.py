@@ -75,12 +75,14 @@ class AdoptedModel(OmniModel):
         from .offline import served_outputs
 
         cached = served_outputs(self, kwargs)  # offline modules: their cached outputs, the forward's own way
+        if runs_collectives(self):  # every rank given the same arguments, or all raise alike
+            served = {c for s in self.slots.values() if s.encoder is not None for c in s.encoder.inputs}
+            names = [n for n in self.argument_names if n not in served]  # what only offline modules read: no
+            bound = dict(zip(self.argument_names, args), **kwargs)        # collective depends on it
+            check_same_inputs(names, bound, [n for n, s in self.slots.items()
+                                             if s.strategy is not None and s.strategy.collective])
         if cached:
             kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), **cached}
-        if runs_collectives(self):  # every rank given the same arguments, or all raise alike
-            bound = dict(zip(self.argument_names, args), **kwargs)
-            check_same_inputs(self.argument_names, bound, [n for n, s in self.slots.items()
-                                                           if s.strategy is not None and s.strategy.collective])
         return self.released(*args, **kwargs)
 
     def released_encoders(self) -> dict:

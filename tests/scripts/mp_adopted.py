@@ -6,6 +6,9 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 - llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
 - mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
 - each case saved at step 2 and resumed from there (another seed) at 2 ranks;
+- offline: Qwen2.5-VL's `get_image_features` (tower + merger, one frozen module) served from the offline cache
+  (encoded by both ranks), mixed resolutions, rank 1's first batch without images (no group_by_modality: only the
+  cached module reads them), LoRA LLM under FSDP;
 - empty_init: Qwen2.5-VL from its released folder on the meta device (`from_model(cls, folder, empty_init=True)`),
   every module sharded, each rank reading its own rows of the released files (LLM trained fully: a fresh LoRA's
   draw differs per shard under empty_init);
@@ -37,6 +40,10 @@ CASES = {
     "mixed": ("llava", {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                         "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
               dict(group_by_modality=True, gradient_accumulation_steps=2, global_batch=4, text_only_every=3)),
+    "offline": ("qwen2_5_vl", {"vision": {"trainable": False, "offline_encoder": "get_image_features"},
+                               "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
+                dict(mapping={"vision": "model.visual", "llm": ["model.language_model", "lm_head"]}, offline=True,
+                     wide_every=2, text_only_rows=[4, 5, 6, 7])),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -53,16 +60,35 @@ def released_folder(out_dir: str, family: str) -> str:
     return folder
 
 
+ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows")
+
+
+def case_rows(family: str, model, extra: dict) -> Rows:
+    """A case's 32 rows: every k-th text-only, every k-th wide (Qwen2.5-VL), and the listed rows text-only, 15
+    tokens long (the widest image row's length: Qwen2.5-VL's loss on a text row depends on its left padding, so a
+    rank's batch of these must pad as the one-process batch does)."""
+    rows = Rows(family, model, 32, text_only_every=extra.get("text_only_every", 0),
+                wide_every=extra.get("wide_every", 0))
+    for i in extra.get("text_only_rows", []):
+        ids = torch.cat([torch.arange(2, 11), rows.rows[i]["input_ids"][-6:]])
+        rows.rows[i] = {"input_ids": ids, "labels": ids.clone()}
+        rows.modalities[i] = []
+    return rows
+
+
 def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: int, **overrides) -> OmniTrainer:
-    extra = dict(extra)
-    text_only = extra.pop("text_only_every", 0)
+    extra_rows = extra
+    extra = {k: v for k, v in extra.items() if k not in ROW_KEYS}
+    mapping = extra.pop("mapping", MODULES[family])
     per_device = extra.pop("global_batch", 8) // world
+    if extra.pop("offline", False):
+        extra.update(offline_modules=["vision"], offline_cache_dir=os.path.join(out_dir, "cache"))
     if extra.pop("empty_init", False):
         cls, folder = type(BUILDERS[family]()), released_folder(out_dir, family)
-        model = OmniModel.from_model(cls, folder, modules=MODULES[family], empty_init=True)
+        model = OmniModel.from_model(cls, folder, modules=mapping, empty_init=True)
     else:
-        model = OmniModel.from_model(BUILDERS[family](), modules=MODULES[family])
-    rows = Rows(family, model.released, 32, text_only_every=text_only)
+        model = OmniModel.from_model(BUILDERS[family](), modules=mapping)
+    rows = case_rows(family, model.released, extra_rows)
     args = make_args(out_dir, modules=modules, per_device_train_batch_size=per_device, max_grad_norm=1.0,
                      **extra, **overrides)
     return OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
@@ -86,7 +112,7 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
     trainer.save_model(os.path.join(out_dir, name, "export"))
     model.eval()
     with torch.no_grad():
-        result["logits"] = model(**collate([trainer.train_dataset[i] for i in range(4)])).logits
+        result["logits"] = model(**trainer.data_collator([trainer.train_dataset[i] for i in range(4)])).logits
     return result
 
 
