@@ -34,14 +34,24 @@ def test_one_rank_with_wrong_inputs_fails_every_rank_with_the_same_error(tmp_pat
     assert first.startswith(CASES[mode][0]) and first.endswith(CASES[mode][1]), first
 
 
-def test_a_ragged_entry_point_with_inputs_on_every_rank_runs(tmp_path):
+def run_two(mode: str, out) -> list[str]:
     port, procs = free_port(), []
     for rank in (0, 1):
         env = subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "mp_exchange.py"), "ragged_everywhere",
-                                       str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "mp_exchange.py"), mode, str(out)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     codes = [p.wait(timeout=120) for p in procs]
     assert codes == [0, 0], [p.stderr.read()[-2000:] for p in procs]
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["no error"] * 2
+    return [(out / f"rank{r}.txt").read_text() for r in (0, 1)]
+
+
+def test_a_ragged_entry_point_with_inputs_on_every_rank_runs(tmp_path):
+    assert run_two("ragged_everywhere", tmp_path) == ["no error"] * 2
+
+
+def test_two_towers_taking_forwards_arguments_exchange_once_per_forward(tmp_path):
+    """Sound missing on rank 1 at the second step: its audio tower runs on a dummy, and each forward made one
+    all-gather of metadata for both towers (the donor's row is a broadcast)."""
+    first, second = run_two("two_towers", tmp_path)
+    assert first == second and first.startswith("gathers [1, 1, 1] grads"), (first, second)

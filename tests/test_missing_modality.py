@@ -10,9 +10,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import ResNetConfig, ResNetModel
 
+import hf_omni.offline.exchange as exchange_module
 import hf_omni.offline.missing_modality as missing
 from hf_omni import OmniModel, offline_encoder
 from hf_omni.modules.slot import Stage
+from hf_omni.offline.exchange import Shared
 from hf_omni.parallel.ddp import DdpStrategy
 from hf_omni.parallel.driver import Prepared
 
@@ -45,6 +47,8 @@ def tower():
 
 SHAPES = {"pixel_values": ((3, 1, 4, 4), torch.float32), "mask": ((3, 1, 1, 1), torch.bool)}  # 4x4: BatchNorm
 ROW = {"pixel_values": torch.rand(1, 1, 4, 4), "mask": torch.ones(1, 1, 1, 1, dtype=torch.bool)}  # sees 1x1 maps
+SHAPES |= {"sound": SHAPES["pixel_values"], "sound_mask": SHAPES["mask"]}  # PlannedTowers' audio entry point
+ROW |= {"sound": ROW["pixel_values"], "sound_mask": ROW["mask"]}
 
 
 @pytest.fixture
@@ -55,23 +59,27 @@ def distributed(tower, monkeypatch):
 def stub_exchange(model, monkeypatch) -> dict:
     """As if `model` were prepared over 2 ranks with its modules replicated; `exchange["others"]`: whether the other
     rank has images (3, whose row 0 is ROW)."""
-    exchange = {"others": True}
+    exchange = {"others": True, "calls": 0}
     model.prepared = Prepared()
     for slot in model.slots.values():
         slot.trains = True
         slot.wrapped(DdpStrategy({}))
     monkeypatch.setattr(missing, "world_size", lambda: 2)
 
-    def shared_shapes(module, method, values, error=None):
-        if error is not None:  # as every rank would, once the exchange carried it
-            raise ValueError(f"{error} (on rank 0; every rank raises this)")
-        mine = all(v is not None and len(v) for v in values.values())
-        donors = SHAPES if exchange["others"] or mine else dict.fromkeys(values)
-        donor = (0 if mine else 1) if donors is SHAPES else None
-        return donors, donor, mine and exchange["others"]
+    def share_inputs(groups, problem=None):
+        if problem is not None:  # as every rank would, once the exchange carried it
+            raise ValueError(f"{problem} (on rank 0; every rank raises this)")
+        shared = {}
+        for key, values in groups.items():
+            mine = all(v is not None and len(v) for v in values.values())
+            donors = {c: SHAPES[c] for c in values} if exchange["others"] or mine else dict.fromkeys(values)
+            donor = (0 if mine else 1) if exchange["others"] or mine else None
+            shared[key] = Shared(donors, donor, mine and exchange["others"], mine)
+        exchange["calls"] += 1
+        return shared
 
-    monkeypatch.setattr(missing, "shared_shapes", shared_shapes)
-    monkeypatch.setattr(missing, "broadcast_row", lambda donors, rank, inputs, prepared: None if rank is None
+    monkeypatch.setattr(exchange_module, "share_inputs", share_inputs)
+    monkeypatch.setattr(exchange_module, "broadcast_row", lambda donors, rank, inputs, prepared: None if rank is None
                         else {c: (inputs[c][:1] if rank == 0 else ROW[c]) for c in inputs})
     return exchange
 
@@ -180,5 +188,70 @@ def test_only_the_dummy_buffer_changes_are_put_back(tower, monkeypatch):
 def test_an_offline_module_given_its_inputs_runs_without_an_exchange(tower, distributed, monkeypatch):
     """The ranks given cached outputs never call the entry point: an exchange here would wait for them forever."""
     tower.slots["vision"].stage = Stage.RELEASED  # offline (its strategy stands in for another module's)
-    monkeypatch.setattr(missing, "shared_shapes", lambda *a, **k: pytest.fail("exchanged for an offline module"))
+    monkeypatch.setattr(exchange_module, "share_inputs", lambda *a, **k: pytest.fail("exchanged for an offline module"))
     assert tower.encode(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)).shape == (2, 16)
+
+
+class PlannedTowers(Tower):
+    """Both entry points' inputs are forward's arguments: one exchange before forward serves both."""
+
+    @offline_encoder(module="audio", inputs=["sound", "sound_mask"], output="audio_features")
+    def encode_audio(self, sound, sound_mask):
+        return self.audio(pixel_values=sound * sound_mask).pooler_output.flatten(1)
+
+    def forward(self, pixel_values=None, mask=None, sound=None, sound_mask=None, drop=False, make=False):
+        if make:  # forward makes inputs it was not given: unlike what every rank shared
+            pixel_values, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
+        images = self.encode(None if drop else pixel_values, None if drop else mask)
+        sounds = self.encode_audio(sound, sound_mask)
+        return {"loss": torch.cat([f for f in (images, sounds) if f is not None]).square().mean()}
+
+
+def two_towers(tower, monkeypatch, cls):
+    model = cls.from_modules({"vision": tower.vision, "audio": copy.deepcopy(tower.vision)}).train()
+    return model, stub_exchange(model, monkeypatch)
+
+
+IMAGES = {"pixel_values": torch.rand(2, 1, 4, 4), "mask": torch.ones(2, 1, 1, 1, dtype=torch.bool)}
+SOUNDS = {"sound": torch.rand(2, 1, 4, 4), "sound_mask": torch.ones(2, 1, 1, 1, dtype=torch.bool)}
+
+
+def test_entry_points_given_forwards_arguments_share_them_in_one_exchange_per_forward(tower, monkeypatch):
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    model(**IMAGES, **SOUNDS)["loss"].backward()
+    model(**SOUNDS)["loss"].backward()  # no image here, the other rank has one: vision runs on its dummy
+    assert exchange["calls"] == 2
+    assert all(p.grad is not None for p in model.vision.parameters())
+    unplanned, exchange = two_towers(tower, monkeypatch, TwoTowers)  # inputs under other names: one per call
+    unplanned(images=tuple(IMAGES.values()), sounds=tuple(SOUNDS.values()))
+    assert exchange["calls"] == 2
+
+
+def test_a_forward_that_drops_its_given_inputs_runs_the_module_on_them(tower, monkeypatch):
+    """Every rank learnt before forward that this one has images: it must join vision's collectives."""
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    exchange["others"] = False
+    calls = []
+    model.vision.register_forward_hook(lambda module, args, out: calls.append(len(out.pooler_output)))
+    model(**IMAGES, **SOUNDS, drop=True)["loss"].backward()
+    assert calls == [2]  # the dummy: this rank's own first image, twice
+    assert all(p.grad is not None and not p.grad.any() for p in model.vision.parameters())  # reached, adding 0
+
+
+def test_inputs_forward_makes_where_no_rank_was_given_any_are_refused(tower, monkeypatch):
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    exchange["others"] = False
+    with pytest.raises(ValueError, match=r"module 'vision': encode was called on this rank with \['pixel_values', "
+                                         r"'mask'\] of its inputs .* unlike forward's arguments of those names"):
+        model(**SOUNDS, make=True)
+
+
+def test_forwards_arguments_given_in_part_are_refused_before_any_module_runs(tower, monkeypatch):
+    model, _ = two_towers(tower, monkeypatch, PlannedTowers)
+    calls = []
+    for module in (model.vision, model.audio):
+        module.register_forward_hook(lambda module, args, out: calls.append(module))
+    with pytest.raises(ValueError, match=r"module 'audio': encode_audio got \['sound'\] but None for "
+                                         r"\['sound_mask'\].*every rank raises this"):
+        model(**IMAGES, sound=SOUNDS["sound"])
+    assert calls == []

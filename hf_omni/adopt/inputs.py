@@ -10,13 +10,7 @@ its forward skipped at the window's last micro-step would otherwise keep gradien
 
 from __future__ import annotations
 
-import torch
-
-
-def given(value) -> bool:
-    """An argument counts as given when it is not None and not an empty tensor (0 images)."""
-    return value is not None and not (isinstance(value, torch.Tensor) and value.ndim and not len(value))
-
+from ..offline.exchange import given  # not None and not 0 rows (0 images)
 
 def check_same_inputs(names: list[str], bound: dict, modules: list[str]) -> None:
     """Every rank was given the same of the released forward's arguments `names`, or every rank raises the same

@@ -1,8 +1,10 @@
 """The missing-modality exchange's collectives (rules in `missing_modality.py`): one all-gather of host metadata
-per entry-point call (who has which input, shapes, dtypes, an error), and the donor's row broadcast where some
-rank lacks the input."""
+(who has which input, shapes, dtypes, an error) for every entry point a forward plans, or for one entry point at its
+call, and the donor's row broadcast where some rank lacks an input."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,36 +14,64 @@ from ..dtypes import CODES
 MAX_DIMS = 8
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What every rank knows of one group of columns (an entry point's inputs, or an offline module's output) after
+    the exchange, alike on every rank."""
+
+    donors: dict  # column -> (shape, dtype) of the first rank that has it, or None where no rank has it
+    donor: int | None  # the first rank that has every column (None: no rank has them all)
+    everyone: bool  # every rank has every column
+    mine: bool  # this rank has every column
+
+
 def comm_device(prepared) -> torch.device:
     import torch.distributed as dist
 
     return torch.device("cpu") if str(dist.get_backend()) == "gloo" else prepared.device
 
 
-def shared_shapes(module: str, method: str, values: dict, error: Exception | None = None
-                  ) -> tuple[dict, int | None, bool]:
-    """One all-gather of host metadata on hf_omni's gloo side group (`dist.all_gather_host`: no device memory is
-    read): per column, the shape and dtype of the first rank that has a value for it (or None); that rank; and
-    whether every rank has every value. A rank whose inputs are wrong (`error`, or a value that is no tensor of a
-    known dtype) says so in the same all-gather, and every rank then raises the same error, naming the module and
-    that rank."""
-    import torch.distributed as dist
+def given(value) -> bool:
+    """An input counts as given when it is not None and not 0 rows (a batch without that modality)."""
+    return value is not None and not (isinstance(value, torch.Tensor) and value.ndim and not len(value))
 
-    from ..dist import all_gather_host, checkpoint_group
 
-    problem = None if error is None else str(error)
-    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(values) + 1)]  # the last row: this rank's error flag
-    for i, (column, value) in enumerate(values.items()):
-        if problem is not None:
-            break
-        if value is None or (isinstance(value, torch.Tensor) and not len(value)):
+def wrong_value(module: str, method: str, values: dict) -> str | None:
+    """The problem with the first given value that is no tensor of a known dtype and 1 to MAX_DIMS dims."""
+    for column, value in values.items():
+        if not given(value):
             continue
         if not isinstance(value, torch.Tensor) or value.dtype not in CODES or not 1 <= value.ndim <= MAX_DIMS:
-            problem = (f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims with a "
-                       f"dtype in {[str(d) for d in CODES]}, got {getattr(value, 'dtype', type(value).__name__)} "
-                       f"{tuple(getattr(value, 'shape', ()))}")
-            break
-        mine[i][:3 + value.ndim] = [1, CODES.index(value.dtype), value.ndim, *value.shape]
+            return (f"module {module!r}: {column!r} of {method} must be a tensor of 1 to {MAX_DIMS} dims with a dtype "
+                    f"in {[str(d) for d in CODES]}, got {getattr(value, 'dtype', type(value).__name__)} "
+                    f"{tuple(getattr(value, 'shape', ()))}")
+    return None
+
+
+def partly_given(spec, values: dict) -> str | None:
+    """The problem with an entry point's inputs given in part (a sample without a modality passes None for all)."""
+    present = [c for c, v in values.items() if given(v)]
+    if not present or len(present) == len(values):
+        return None
+    return (f"module {spec.module!r}: {spec.method} got {present} but None for "
+            f"{[c for c in values if c not in present]}; a sample without this modality passes None for every input")
+
+
+def share_inputs(groups: dict, problem: str | None = None) -> dict:
+    """One all-gather of host metadata on hf_omni's gloo side group (`dist.all_gather_host`: no device memory is
+    read) for every group of columns at once: `groups` is {key: {column: value}} (the same keys and columns on every
+    rank), and the answer {key: Shared}. A rank that found its inputs wrong (`problem`) says so in the same
+    all-gather, and every rank then raises the same error, naming that rank."""
+    import torch.distributed as dist
+
+    from ..dist import all_gather_host, checkpoint_group, rank
+
+    columns = [(key, column, value) for key, values in groups.items() for column, value in values.items()]
+    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(columns) + 1)]  # the last row: this rank's error flag
+    if problem is None:
+        for i, (_, _, value) in enumerate(columns):
+            if given(value):
+                mine[i][:3 + value.ndim] = [1, CODES.index(value.dtype), value.ndim, *value.shape]
     mine[-1][0] = int(problem is not None)
     group = checkpoint_group()
     everyone = all_gather_host(mine, group)  # [rank][row][field], Python ints
@@ -50,19 +80,23 @@ def shared_shapes(module: str, method: str, values: dict, error: Exception | Non
         messages = [None] * world_size()
         dist.all_gather_object(messages, problem, group=group)
         raise ValueError(f"{messages[failed[0]]} (on rank {failed[0]}; every rank raises this)")
-    have = [[row[0] == 1 for row in rows[:-1]] for rows in everyone]
-    donors = {column: None for column in values}
-    for i, column in enumerate(values):
-        first = next((r for r, has in enumerate(have) if has[i]), None)
-        if first is not None:
-            row = everyone[first][i]
-            donors[column] = (tuple(row[3:3 + row[2]]), CODES[row[1]])
-    ranks = [r for r, has in enumerate(have) if all(has)]
-    return donors, (ranks[0] if ranks else None), all(all(has) for has in have)
+    shared, at, me = {}, 0, rank()
+    for key, values in groups.items():
+        rows = range(at, at + len(values))
+        at += len(values)
+        has = [all(ranks[i][0] == 1 for i in rows) for ranks in everyone]
+        donors = {}
+        for i, column in zip(rows, values):
+            first = next((r for r, ranks in enumerate(everyone) if ranks[i][0] == 1), None)
+            row = None if first is None else everyone[first][i]
+            donors[column] = None if row is None else (tuple(row[3:3 + row[2]]), CODES[row[1]])
+        shared[key] = Shared(donors, next((r for r, h in enumerate(has) if h), None), all(has), has[me])
+    return shared
 
 
 def broadcast_row(donors: dict, donor_rank: int | None, inputs: dict, prepared) -> dict | None:
-    """Row 0 of each input of the first rank that has them, on every rank (one broadcast per input)."""
+    """Row 0 of each input of the first rank that has them, on every rank (one broadcast per input). The donor
+    sends `inputs`' row where it has the shared form (shape after dim 0, dtype)."""
     import torch.distributed as dist
 
     if donor_rank is None:

@@ -5,7 +5,9 @@ that every rank must enter. The module's `@offline_encoder` method is its entry 
 same point of `forward`, and a rank with no input passes `None` (or 0 rows) for its inputs. Then, with the modules
 prepared over more than one rank:
 
-- every rank first shares which inputs it has, with their shapes and dtypes (one small all-gather);
+- every rank first shares which inputs it has, with their shapes and dtypes: before `forward`, in one small
+  all-gather for every entry point whose inputs are `forward`'s arguments and every offline module
+  (`forward_plan.py`), or at the call for an entry point whose inputs `forward` makes itself;
 - where some rank has none, the first rank that has them broadcasts row 0 of each input, and a rank without input
   runs the method on that row, twice (two rows: BatchNorm needs more than one value per channel), and returns the
   output's first 0 rows, still in the graph. The buffers the dummy changed (BatchNorm's running statistics) are
@@ -17,8 +19,9 @@ prepared over more than one rank:
 The 0 rows are also added (as `sum()`, which is 0) to the `forward`'s loss (or, without one, to its first output
 that needs a gradient), so the module's backward and its gradient reductions run on every rank even when
 `forward` drops them; the dummy contributes zero gradients. An offline module (on the meta device, its cached
-outputs fed to `forward` instead) runs nothing, but the modules after it do: before `forward`, every rank shares
-which cached outputs it was given, and the entry point returns 0 rows shaped like another rank's outputs.
+outputs fed to `forward` instead) runs nothing, but the modules after it do: in the same all-gather before `forward`
+every rank shares which cached outputs it was given, and the entry point returns 0 rows shaped like another
+rank's outputs.
 
 A `forward` that skips a sharded or replicated module on some ranks without going through the entry point pairs
 the ranks' collectives wrongly: with gloo the run aborts on a size mismatch (checked: 4 ranks, vision sharded),
@@ -28,6 +31,7 @@ the wrong tensors. Inputs' first dimension is the sample (as for the offline cac
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 
@@ -35,7 +39,9 @@ import torch
 
 from ..compat import queue_backward_callback
 from ..dist import world_size
-from .exchange import broadcast_row, shared_shapes
+from . import exchange
+from .exchange import given, partly_given, wrong_value
+from .forward_plan import PLAN, share_forward
 from .ragged import empty_form, items_of, stand_in
 from .spec import class_encoders
 
@@ -46,39 +52,40 @@ WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mod
 
 def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     """`fn(model, *args, **kwargs)`, the `@offline_encoder` method of module `spec.module`, as described above."""
-    bound = inspect.signature(fn).bind(model, *args, **kwargs)
+    bound = method_signature(fn).bind(model, *args, **kwargs)
     inputs = {column: bound.arguments.get(column) for column in spec.inputs}
-    present = [c for c, v in inputs.items() if v is not None and not (isinstance(v, torch.Tensor) and not len(v))]
-    error = None
-    if present and len(present) != len(inputs):
-        error = ValueError(f"module {spec.module!r}: {spec.method} got {present} but None for "
-                           f"{[c for c in inputs if c not in present]}; a sample without this modality passes None "
-                           "for every input")
+    present = [c for c, v in inputs.items() if given(v)]
+    error = partly_given(spec, inputs)
     if not runs_collectives(model):
         if error is not None:
-            raise error
+            raise ValueError(error)
         return fn(*bound.args, **bound.kwargs) if present else None
     prepared = model.prepared
     if model.slots[spec.module].is_released:  # ranks given cached outputs never call it: no exchange
         if error is not None:
-            raise error
+            raise ValueError(error)
         if present:
             return fn(*bound.args, **bound.kwargs)
-        if spec.module not in CACHED.get(model, {}):
-            raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
-        row = CACHED[model][spec.module]  # (shape, dtype) of another rank's outputs, or None
-        if row is None:
-            return None
-        if spec.ragged:
-            return empty_form(spec, row[0][1:], row[1], prepared.device)
-        return torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
-    donors, donor_rank, everyone = shared_shapes(spec.module, spec.method, inputs, error=error)
-    if spec.ragged and not everyone and donor_rank is not None:  # every rank knows the same: all raise
+        return cached_rows(model, spec, prepared)
+    plan, own = PLAN.get(model, {}).get(spec.method), None
+    if plan is None:  # inputs forward makes itself, or a call outside forward: shared now
+        shared = exchange.share_inputs({spec.method: inputs}, error or wrong_value(spec.module, spec.method, inputs))
+        shared = shared[spec.method]
+    else:  # shared before forward, from its arguments
+        shared = plan.shared
+        if error is not None or (present and shared.donor is None):
+            raise ValueError(not_as_planned(spec, present))
+        if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
+            own = {c: plan.own[c][:1] for c in spec.inputs}
+    if spec.ragged and not shared.everyone and shared.donor is not None:  # every rank knows the same: all raise
         raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs (items of different "
                          "lengths), so no dummy is built from a row of its inputs, and this batch has them on some "
                          "ranks only: set group_by_modality: true (every global batch agrees on its modalities) or "
                          "serve the module from its offline cache")
-    sample = None if everyone else broadcast_row(donors, donor_rank, inputs, prepared)
+    sample = None
+    if not shared.everyone:
+        source = inputs if present and same_form(inputs, shared.donors) or plan is None else plan.own
+        sample = exchange.broadcast_row(shared.donors, shared.donor, source, prepared)
     if present:
         in_window(model, spec, {} if spec.ragged else {c: inputs[c][:1].detach().clone() for c in spec.inputs})
         out = fn(*bound.args, **bound.kwargs)
@@ -86,7 +93,7 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
             items_of(spec, out)  # in its declared form
             return out
         return tensor_output(spec, out)
-    sample = in_window(model, spec, sample)
+    sample = in_window(model, spec, sample or own)
     if sample is None:  # no rank has an input (and no window to close): skipped everywhere
         return None
     if spec.ragged:  # a window that ran it ends with no input anywhere, and no dummy: every rank raises alike
@@ -97,6 +104,37 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     for column, row in sample.items():
         bound.arguments[column] = torch.cat([row, row]).to(prepared.device)
     return dummy_rows(model, spec, fn, bound)
+
+
+@functools.cache
+def method_signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def cached_rows(model, spec, prepared):
+    """An offline module's entry point on a rank given no cached outputs: 0 rows shaped like another rank's."""
+    if spec.module not in CACHED.get(model, {}):
+        raise ValueError(f"module {spec.module!r} is offline: call {spec.method} inside the model's forward")
+    row = CACHED[model][spec.module]  # (shape, dtype) of another rank's outputs, or None
+    if row is None:
+        return None
+    if spec.ragged:
+        return empty_form(spec, row[0][1:], row[1], prepared.device)
+    return torch.empty((0, *row[0][1:]), dtype=row[1], device=prepared.device)
+
+
+def same_form(inputs: dict, donors: dict) -> bool:
+    """Each input has the shared shape after dim 0 and dtype (what the ranks without it allocate)."""
+    return all(donors[c] is not None and tuple(v.shape[1:]) == donors[c][0][1:] and v.dtype == donors[c][1]
+               for c, v in inputs.items())
+
+
+def not_as_planned(spec, present: list) -> str:
+    return (f"module {spec.module!r}: {spec.method} was called on this rank with {present or 'none'} of its inputs "
+            f"{list(spec.inputs)}, unlike forward's arguments of those names, which every rank shared before forward "
+            "ran (and which decide where the module runs). forward must pass them on as it was given them (cast or "
+            "moved, but given where given and None where not); name an input forward makes itself unlike its "
+            "arguments, and it is shared at the call instead")
 
 
 def dummy_rows(model, spec, fn, bound):
@@ -154,19 +192,18 @@ def runs_collectives(model) -> bool:
 
 
 def before_forward(model, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of `OmniModel`: nothing left from a previous forward (one that raised); which offline
-    modules' cached outputs each rank was given (their entry point's answer on a rank given none)."""
+    """Forward pre-hook of `OmniModel`: nothing left from a previous forward (one that raised); then the forward's
+    one exchange (`forward_plan.py`): which offline modules' cached outputs each rank was given (their entry point's
+    answer on a rank given none), and the inputs of the entry points `forward` is given."""
     PENDING.pop(model, None)
     CACHED.pop(model, None)
+    PLAN.pop(model, None)
     if not runs_collectives(model):
         return None
-    specs = [s for s in class_encoders(type(model)) if model.slots[s.module].is_released]
-    if specs:
-        given = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-        values = {s.output: kwargs.get(s.output, given.get(s.output)) for s in specs}
-        values = {s.output: stand_in(s, values[s.output]) if s.ragged else values[s.output] for s in specs}
-        donors, _, _ = shared_shapes(", ".join(s.module for s in specs), "forward", values)
-        CACHED[model] = {s.module: in_window(model, s, donors[s.output]) for s in specs}  # on every rank alike
+    specs = class_encoders(type(model))
+    offline = [s for s in specs if model.slots[s.module].is_released]
+    cached, PLAN[model] = share_forward(model, args, kwargs, offline, [s for s in specs if s not in offline])
+    CACHED[model] = {s.module: in_window(model, s, cached[s.module]) for s in offline}  # on every rank alike
     return None
 
 
@@ -174,6 +211,7 @@ def keep_in_graph(model, args, output):
     """Forward hook of `OmniModel`: this forward's 0-row outputs join (adding 0) its loss, or without one its first
     output that needs a gradient (logits a `compute_loss_func` reads); a dict, ModelOutput, tuple or tensor."""
     CACHED.pop(model, None)
+    PLAN.pop(model, None)
     pending = PENDING.pop(model, None)
     if not pending:
         return None

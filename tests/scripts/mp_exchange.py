@@ -1,7 +1,10 @@
 """Inputs to an entry point wrong on one rank, at 2 ranks started as plain processes (RANK / WORLD_SIZE /
 MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partial`) or a list for them (MODE
 `not_a_tensor`), or no pixels to an entry point with ragged outputs (MODE `ragged`: no dummy can be built; rank 0
-has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs). Each rank writes what it raised to OUT_DIR/rank<r>.txt and exits 1.
+has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs). Each rank writes what it raised to
+OUT_DIR/rank<r>.txt and exits 1. MODE `two_towers`: two replicated towers whose entry points take `forward`'s
+arguments, rank 1 without sound at the second of 3 steps; each rank writes how many all-gathers of host metadata
+each forward made and a digest of its towers' gradients (DDP-reduced: equal on both ranks).
 
 Usage: mp_exchange.py MODE OUT_DIR"""
 
@@ -36,12 +39,53 @@ class RaggedTower(Tower):
         return {"loss": torch.cat(feats).square().mean()}
 
 
+class TwoTowers(Tower):
+    @offline_encoder(module="audio", inputs=["sound"], output="audio_features")
+    def encode_audio(self, sound):
+        return self.audio(pixel_values=sound).pooler_output.flatten(1)
+
+    def forward(self, pixel_values=None, mask=None, sound=None):
+        feats = [self.encode(pixel_values, mask=mask), self.encode_audio(sound)]
+        return {"loss": torch.cat(feats).square().mean()}
+
+
+def two_towers(rank: int, tower) -> str:
+    """Gathers per forward, then the gradients' sums, as one line."""
+    import copy
+
+    import hf_omni.dist
+
+    plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}, "audio": {"parallel": "ddp"}},
+                        defaults={"learning_rate": 1e-3})
+    model, _, _ = plugin.prepare(Accelerator(cpu=True), TwoTowers.from_modules(
+        {"vision": tower, "audio": copy.deepcopy(tower)}), num_training_steps=3)
+    counted, gathers, original = [0], [], hf_omni.dist.all_gather_host
+
+    def all_gather_host(rows, group):
+        counted[0] += 1
+        return original(rows, group)
+
+    hf_omni.dist.all_gather_host = all_gather_host
+    for step in range(3):
+        counted[0] = 0
+        sound = None if rank == 1 and step == 1 else torch.rand(2, 1, 4, 4)
+        model(pixel_values=torch.rand(2, 1, 4, 4), mask=torch.ones(2, 1, 1, 1, dtype=torch.bool),
+              sound=sound)["loss"].backward()
+        gathers.append(counted[0])
+    grads = [round(sum(p.grad.sum().item() for p in m.parameters()), 6) for m in (model.vision, model.audio)]
+    return f"gathers {gathers} grads {grads}"
+
+
 def main(mode: str, out_dir: str):
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     vision = ResNetModel(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[16], depths=[1],
                                       layer_type="basic"))
     plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}}, defaults={"learning_rate": 1e-3})
+    if mode == "two_towers":
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(two_towers(rank, vision))
+        end_distributed(0)
     cls = RaggedTower if mode.startswith("ragged") else Tower
     model, _, _ = plugin.prepare(Accelerator(cpu=True), cls.from_modules({"vision": vision}), num_training_steps=2)
     pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)

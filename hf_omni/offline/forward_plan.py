@@ -1,0 +1,73 @@
+"""One exchange per forward for all of a composed model's entry points (the rules are in `missing_modality.py`).
+
+Before `forward` runs (OmniModel's forward pre-hook), every rank shares in one all-gather of host integers:
+- for each offline module, which of its cached outputs the rank was given (shapes, dtypes);
+- for each entry point whose inputs are all arguments of `forward` by name (the README's
+  `encode_image(pixel_values)` called from `forward(..., pixel_values=None, ...)`), which of them it was given, their
+  shapes and dtypes, and whether they are wrong (given in part, not a tensor): then every rank raises alike, before
+  any module runs.
+Such an entry point decides from that answer, with no collective of its own but the donor's row in a step where
+some ranks lack its inputs. Its contract: `forward` passes those arguments on as it was given them (cast, moved or
+reshaped, but given where given and None where not). An entry point whose inputs `forward` makes itself (named
+unlike its arguments, or called outside `forward`) shares them at its call instead: one more all-gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from dataclasses import dataclass
+
+from . import exchange
+from .ragged import stand_in
+
+PLAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {entry point: Planned}, this forward's
+
+
+@dataclass(frozen=True)
+class Planned:
+    """An entry point's inputs as every rank shared them before `forward`, and this rank's own (its dummy's row when
+    `forward` does not pass them on)."""
+
+    shared: exchange.Shared
+    own: dict
+
+
+@functools.cache
+def forward_signature(function) -> tuple[inspect.Signature, frozenset]:
+    """`forward`'s signature (its first parameter `self`) and the names it takes one by one."""
+    signature = inspect.signature(function)
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return signature, frozenset(n for n, p in signature.parameters.items() if p.kind not in kinds)
+
+
+def forward_arguments(model, args: tuple, kwargs: dict) -> tuple[dict, frozenset]:
+    """The arguments `forward` was called with, by name (`**kw` ones too), and the names it takes one by one."""
+    function = getattr(type(model).forward, "__wrapped__", type(model).forward)
+    signature, named = forward_signature(function)
+    arguments = signature.bind_partial(model, *args, **kwargs).arguments
+    extra = next((arguments.pop(n) for n, p in signature.parameters.items()
+                  if p.kind is p.VAR_KEYWORD and n in arguments), {})
+    return {**extra, **arguments}, named
+
+
+def share_forward(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple[dict, dict]:
+    """The one all-gather: {offline module: (shape, dtype) of another rank's cached output, or None} and {entry
+    point: Planned} for the online entry points whose inputs are all `forward`'s arguments."""
+    arguments, named = forward_arguments(model, args, kwargs)
+    planned = [s for s in online if set(s.inputs) <= named]
+    if not offline and not planned:
+        return {}, {}
+    groups, problem = {}, None
+    for spec in offline:
+        value = arguments.get(spec.output)
+        groups["output", spec.module] = {spec.output: stand_in(spec, value) if spec.ragged else value}
+        problem = problem or exchange.wrong_value(spec.module, "forward", groups["output", spec.module])
+    for spec in planned:
+        values = groups["inputs", spec.method] = {c: arguments.get(c) for c in spec.inputs}
+        problem = problem or exchange.partly_given(spec, values) or exchange.wrong_value(spec.module, spec.method,
+                                                                                          values)
+    shared = exchange.share_inputs(groups, problem)
+    cached = {s.module: shared["output", s.module].donors[s.output] for s in offline}
+    return cached, {s.method: Planned(shared["inputs", s.method], groups["inputs", s.method]) for s in planned}
