@@ -17,6 +17,7 @@ KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "mixed": {"vision": "none", "projector": "ddp", "llm": "fsdp"},
          "offline": {"vision": "offline", "llm": "fsdp"},
+         "paligemma": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 

@@ -55,6 +55,8 @@ def forward_arguments(model, args: tuple, kwargs: dict) -> tuple[dict, frozenset
 def share_forward(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple[dict, dict]:
     """The one all-gather: {offline module: (shape, dtype) of another rank's cached output, or None} and {entry
     point: Planned} for the online entry points whose inputs are all `forward`'s arguments."""
+    if not offline and not online:
+        return {}, {}
     arguments, named = forward_arguments(model, args, kwargs)
     planned = [s for s in online if set(s.inputs) <= named]
     if not offline and not planned:

@@ -4,6 +4,7 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 - qwen2_5_vl: vision frozen under FSDP, its carved-out projector (`model.visual.merger`) trained under its own FSDP
   unit inside the vision root, LoRA LLM under FSDP;
 - llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
+- paligemma: the same mapping and wrapping, its `lm_head` tied to the LLM's embeddings inside the llm module;
 - mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
 - each case saved at step 2 and resumed from there (another seed) at 2 ranks;
 - offline: Qwen2.5-VL's `get_image_features` (tower + merger, one frozen module) served from the offline cache
@@ -44,6 +45,9 @@ CASES = {
                                "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
                 dict(mapping={"vision": "model.visual", "llm": ["model.language_model", "lm_head"]}, offline=True,
                      wide_every=2, text_only_rows=[4, 5, 6, 7])),
+    "paligemma": ("paligemma", {"vision": {"trainable": False, "parallel": "fsdp"},
+                                "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                                "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
