@@ -2,9 +2,11 @@
 wrapper object: `model.llm` keeps its class, as a generated `DDP...` subclass, and its methods).
 
 Composable `replicate` builds its DDP over the parameters alone, so it never syncs buffers; with DDP's
-`broadcast_buffers` (Trainer's default) hf_omni broadcasts the module's buffers from rank 0 before each forward,
-as `DistributedDataParallel` does: BatchNorm running statistics agree across ranks at every step and in
-evaluation.
+`broadcast_buffers` (Trainer's default) hf_omni broadcasts the module's state buffers from rank 0 before each
+forward, as `DistributedDataParallel` does: BatchNorm running statistics agree across ranks at every step and in
+evaluation. Non-persistent buffers (`register_buffer(..., persistent=False)`: a rotary embedding's `inv_freq`,
+position ids) are not state — no checkpoint holds them, each rank derives them — and are not broadcast
+(`DistributedDataParallel` broadcasts them too: a collective per forward for nothing).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class DdpStrategy(Strategy):
         for root, carved in units(module):  # an adopted model's module: each of its released submodules
             composable_replicate(root, device, self.ddp_kwargs, ignored_modules=carved)
             skip = {id(b) for c in carved for b in c.buffers()}
-            buffers = [b for b in root.buffers() if b.numel() and id(b) not in skip]
+            buffers = [b for b in state_buffers(root) if b.numel() and id(b) not in skip]
             if self.ddp_kwargs.get("broadcast_buffers", True) and buffers:
                 broadcast_buffers(buffers)
                 root.register_forward_pre_hook(lambda mod, args, buffers=buffers: broadcast_buffers(buffers))
@@ -55,6 +57,17 @@ def units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
     if not isinstance(module, Part):
         return [(module, [])]
     return [(r.module, [r.module.get_submodule(c) for c in r.carved]) for r in module.omni_roots]
+
+
+def state_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The persistent buffers of `module` and its submodules (those its `state_dict` holds), each once."""
+    seen, found = set(), []
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if name not in owner._non_persistent_buffers_set and id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append(buffer)
+    return found
 
 
 def broadcast_buffers(buffers: list[torch.Tensor]) -> None:
