@@ -73,7 +73,7 @@ def run_by_hand(train_set, steps):
     model = build_model()
     model.vision.requires_grad_(False)
     model.vision.eval()
-    replicate(model.projector)
+    replicate(model.projector, find_unused_parameters=True)  # OmniTrainer's default for a ddp module, as Trainer's
     replicate.state(model.projector).lazy_init()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.llm.modules():

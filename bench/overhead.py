@@ -4,8 +4,10 @@
 
 Variants, interleaved over rounds so that machine noise hits all of them alike:
   omni       OmniTrainer with the demo's per-module settings (projector at 3x the learning rate)
-  reference  a hand-written loop: the same modules replicated in place (composable replicate), the same
-             global token normalisation, one AdamW + scheduler per module, per-module clipping
+  reference  a hand-written loop: the same modules replicated in place (composable replicate, with the DDP
+             settings OmniTrainer resolves by default: find_unused_parameters=True, Trainer's own default without
+             activation checkpointing), the same global token normalisation, one AdamW + scheduler per module,
+             per-module clipping
   trainer    plain transformers.Trainer, DDP over the whole model, the same learning rates as param groups
 Prints the median step time of each and the ratios omni / reference and omni / trainer.
 """
@@ -88,7 +90,7 @@ def run_reference(train_set):
     optimizers, schedulers = {}, {}
     for name, lr in LRS.items():
         module = getattr(model, name)
-        replicate(module)
+        replicate(module, find_unused_parameters=True)  # as OmniTrainer's ddp modules (DDP's graph walk: ~3 ms)
         replicate.state(module).lazy_init()
         optimizers[name] = torch.optim.AdamW(module.parameters(), lr=lr)
         schedulers[name] = get_scheduler("cosine", optimizers[name], num_warmup_steps=0,
