@@ -73,7 +73,8 @@ def all_gather_host(rows: list[list[int]], group) -> list[list[list[int]]]:
 
     mine = torch.tensor(rows, dtype=torch.int64)
     everyone = torch.empty((world_size() * mine.shape[0], *mine.shape[1:]), dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it is
+    gather(everyone, mine, group=group)
     return everyone.view(world_size(), *mine.shape).tolist()
 
 
