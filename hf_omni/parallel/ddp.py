@@ -5,8 +5,9 @@ Composable `replicate` builds its DDP over the parameters alone, so it never syn
 `broadcast_buffers` (Trainer's default) hf_omni broadcasts the module's state buffers from rank 0 before each
 forward, as `DistributedDataParallel` does: BatchNorm running statistics agree across ranks at every step and in
 evaluation. Non-persistent buffers (`register_buffer(..., persistent=False)`: a rotary embedding's `inv_freq`,
-position ids) are not state — no checkpoint holds them, each rank derives them — and are not broadcast
-(`DistributedDataParallel` broadcasts them too: a collective per forward for nothing).
+position ids) are not state — no checkpoint holds them, each rank derives them — so they are broadcast once, when
+the module is wrapped (every rank starts from rank 0's, whatever it was built with), and not before each forward
+(`DistributedDataParallel` broadcasts them every time: a collective per forward for nothing).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ class DdpStrategy(Strategy):
         for root, carved in units(module):  # an adopted model's module: each of its released submodules
             composable_replicate(root, device, self.ddp_kwargs, ignored_modules=carved)
             skip = {id(b) for c in carved for b in c.buffers()}
-            buffers = [b for b in state_buffers(root) if b.numel() and id(b) not in skip]
-            if self.ddp_kwargs.get("broadcast_buffers", True) and buffers:
-                broadcast_buffers(buffers)
-                root.register_forward_pre_hook(lambda mod, args, buffers=buffers: broadcast_buffers(buffers))
+            every = [b for b in root.buffers() if b.numel() and id(b) not in skip]
+            state = {id(b) for b in state_buffers(root)}
+            buffers = [b for b in every if id(b) in state]
+            if self.ddp_kwargs.get("broadcast_buffers", True) and every:
+                broadcast_buffers(every)
+                if buffers:
+                    root.register_forward_pre_hook(lambda mod, args, buffers=buffers: broadcast_buffers(buffers))
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:

@@ -4,7 +4,10 @@ MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partia
 has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs). Each rank writes what it raised to
 OUT_DIR/rank<r>.txt and exits 1. MODE `two_towers`: two replicated towers whose entry points take `forward`'s
 arguments, rank 1 without sound at the second of 3 steps; each rank writes how many all-gathers of host metadata
-each forward made and a digest of its towers' gradients (DDP-reduced: equal on both ranks).
+each forward made and a digest of its towers' gradients (DDP-reduced: equal on both ranks), then, on its own line,
+a non-persistent buffer built as the rank's number (rank 0's after wrapping) and set to 5 + rank after it (kept
+through the forwards: only state buffers are broadcast before each), and a BatchNorm statistic set to 7 on rank 1
+after wrapping (rank 0's again after a forward).
 
 Usage: mp_exchange.py MODE OUT_DIR"""
 
@@ -57,8 +60,14 @@ def two_towers(rank: int, tower) -> str:
 
     plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}, "audio": {"parallel": "ddp"}},
                         defaults={"learning_rate": 1e-3})
+    tower.register_buffer("derived", torch.full((2,), float(rank)), persistent=False)
     model, _, _ = plugin.prepare(Accelerator(cpu=True), TwoTowers.from_modules(
         {"vision": tower, "audio": copy.deepcopy(tower)}), num_training_steps=3)
+    wrapped = model.vision.derived.tolist()
+    model.vision.derived.fill_(5 + rank)
+    statistic = model.vision.embedder.embedder.normalization.running_var
+    if rank == 1:
+        statistic.fill_(7.0)
     counted, gathers, original = [0], [], hf_omni.dist.all_gather_host
 
     def all_gather_host(rows, group):
@@ -68,12 +77,14 @@ def two_towers(rank: int, tower) -> str:
     hf_omni.dist.all_gather_host = all_gather_host
     for step in range(3):
         counted[0] = 0
-        sound = None if rank == 1 and step == 1 else torch.rand(2, 1, 4, 4)
+        sound = torch.rand(2, 1, 4, 4)  # drawn on every rank: both ranks' data stay alike
+        sound = None if rank == 1 and step == 1 else sound
         model(pixel_values=torch.rand(2, 1, 4, 4), mask=torch.ones(2, 1, 1, 1, dtype=torch.bool),
               sound=sound)["loss"].backward()
         gathers.append(counted[0])
     grads = [round(sum(p.grad.sum().item() for p in m.parameters()), 6) for m in (model.vision, model.audio)]
-    return f"gathers {gathers} grads {grads}"
+    return (f"gathers {gathers} grads {grads} statistic {round(statistic.sum().item(), 6)}\n"
+            f"derived {wrapped} then {model.vision.derived.tolist()}")
 
 
 def main(mode: str, out_dir: str):
