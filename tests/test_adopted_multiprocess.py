@@ -65,6 +65,14 @@ def test_a_two_rank_checkpoint_resumes_at_one_process(results, tmp_path, case):
         assert (state[key] - value).abs().max().item() <= 1e-5, key
 
 
+def test_an_offline_module_is_read_back_for_the_export_by_the_main_process_alone(results):
+    """Qwen2.5-VL's cached tower (on the meta device while training) is read from its source once per export, by
+    the rank that writes it; the other rank reads nothing (the export's equality above checks what was written)."""
+    reads = [rank["export_read"] for rank in results[1]["offline"]]
+    assert reads[0] > 0 and reads[1] == 0, reads
+    assert [rank["export_read"] for rank in results[1]["llava"]] == [0, 0]
+
+
 def test_empty_init_reads_each_byte_of_the_released_files_once(results):
     """Every module sharded: the two ranks' reads of the released files add up to the file's tensors, each rank
     about half (its own rows; no rank reads a whole module)."""

@@ -31,23 +31,37 @@ def merge_plan(model) -> dict | None:
 
 def export_original(model, folder: str, is_main_process: bool, max_shard_size) -> None:
     """Every rank with sharded modules (each its rows); otherwise the main process alone. An offline module (on
-    the meta device) is read back from its recorded source on the CPU for the write, then dropped again: each rank
-    holds that frozen module whole in host memory while an export or checkpoint is written."""
+    the meta device) is written by the process that writes the small files alone: only it reads the module back
+    from its recorded source, on the CPU, and drops it after the write (one read of the module's files per save,
+    one process holding it meanwhile: a frozen tower, never what every rank holds or reads)."""
     import torch
 
-    from ..modules.weights import fill_module
+    from ..modules.folder_write import has_shards
+    from ..modules.weights import fill_module, module_tensors
 
     offline = [slot for slot in model.slots.values() if slot.is_released]
-    for slot in offline:
-        fill_module(slot.module, slot.entry.source, torch.device("cpu"), slot.name)
+    ids = {id(t) for slot in offline for t in module_tensors(slot.module).values()}
+    main_only = frozenset(n for n, t in module_tensors(model.released).items() if id(t) in ids)
+    sharded = has_shards(model.released)
+    writer = offline and (is_main() if sharded else is_main_process)
+
+    def read_back():
+        for slot in offline if writer else ():
+            fill_module(slot.module, slot.entry.source, torch.device("cpu"), slot.name)
+
+    if offline and sharded:  # every rank writes after this: each learns the reader's outcome, and all raise alike
+        with agreed(f"adopted model: reading {[s.name for s in offline]} back for {folder}", checkpoint_group()):
+            read_back()
+    else:
+        read_back()
     try:
-        write_original(model, folder, is_main_process, max_shard_size)
+        write_original(model, folder, is_main_process, max_shard_size, main_only)
     finally:
-        for slot in offline:
+        for slot in offline if writer else ():
             slot.module.to("meta")
 
 
-def write_original(model, folder: str, is_main_process: bool, max_shard_size) -> None:
+def write_original(model, folder: str, is_main_process: bool, max_shard_size, main_only: frozenset) -> None:
     from ..modules.folder_plan import plan_folder
     from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
 
@@ -56,7 +70,7 @@ def write_original(model, folder: str, is_main_process: bool, max_shard_size) ->
     merge = merge_plan(model)
     plan = plan_folder(released, dtypes, max_shard_size, merged=merge is not None)
     write = functools.partial(write_module_folder, released, folder, plan, model.adopted_processor, dtypes=dtypes,
-                              merge=merge)
+                              merge=merge, main_only=main_only)
     if not has_shards(released):
         if is_main_process:
             os.makedirs(folder, exist_ok=True)

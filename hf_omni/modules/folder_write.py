@@ -182,18 +182,19 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
 
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
                         dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
-                        base: str | None = None) -> None:
+                        base: str | None = None, main_only: frozenset = frozenset()) -> None:
     """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
     `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
     groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
     sharded tensor, saved by one rank). `merge` (`lora_merge.row_merge_plan`, with a `merged` plan): each LoRA
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
-    is written apart, `lora_base`)."""
+    is written apart, `lora_base`). `main_only`: tensors the main process writes alone (only it holds them: an
+    adopted model's offline module, read back from its source for the write)."""
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
-    buffers = {name for name, _ in module.named_buffers()}
+    buffers = {name for name, _ in module.named_buffers()} | set(main_only)  # rank 0's
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
     jobs = []  # (file, offset, local tensor rows, dtype)
     for number, entry in enumerate(plan.entries):

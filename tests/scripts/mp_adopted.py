@@ -113,7 +113,9 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
         resumed = full_state(again.model)
         result["mismatch"] = [k for k in resumed if not torch.equal(resumed[k], result["state"][k])]
+    before_export = READ["bytes"]
     trainer.save_model(os.path.join(out_dir, name, "export"))
+    result["export_read"] = READ["bytes"] - before_export  # an offline module is read back by the main process only
     model.eval()
     with torch.no_grad():
         result["logits"] = model(**trainer.data_collator([trainer.train_dataset[i] for i in range(4)])).logits
