@@ -12,11 +12,10 @@ Subclass it and write `forward`; each module is an attribute named by its key::
     model.save_pretrained("out")        # out/config.json + out/<module>/ (each loads alone)
     Captioner.from_pretrained("out")
 
-Loss normalisation: Trainer passes `num_items_in_batch` to a `forward` with `**kw` and counts it from
-the instance's `loss_type`. `label_shift = False` (default) counts every label that is not -100 (right
-when the forward prepends -100 labels and lets the LLM shift); `True` counts `labels[..., 1:]` (a
-forward that hands its labels straight to a causal LM). A forward that drops `**kw` gets its loss
-scaled by world size x accumulation steps.
+Loss normalisation: Trainer passes `num_items_in_batch` to a `forward` with `**kw` and counts it from the instance's
+`loss_type`. `label_shift = False` (default) counts every label that is not -100 (right when the forward prepends -100
+labels and lets the LLM shift); `True` counts `labels[..., 1:]` (a forward that hands its labels straight to a causal
+LM). A forward that drops `**kw` gets its loss scaled by world size x accumulation steps.
 """
 
 from __future__ import annotations
@@ -106,6 +105,10 @@ class OmniModel(PreTrainedModel):
     def module_names(self) -> list[str]:
         return self.config.module_names
 
+    def forward_owner(self) -> nn.Module:
+        """The model whose class's `forward` Trainer reads label names from (an adopted model's: the released one)."""
+        return self
+
     def omni_modules(self) -> dict[str, nn.Module]:
         return {name: slot.module for name, slot in self.slots.items()}
 
@@ -145,8 +148,7 @@ class OmniModel(PreTrainedModel):
         return self
 
     def no_sync(self):
-        """Skip gradient sync in every wrapped unit (Accelerate's `no_sync(model)` calls this); FSDP units set to
-        `reshard_after_backward: false` stay gathered inside the window."""
+        """Skip gradient sync in every wrapped unit (Accelerate's `no_sync(model)` calls this)."""
         return self.prepared.no_sync() if self.prepared is not None else contextlib.nullcontext()
 
     # -- save / load ----------------------------------------------------------------------------
@@ -179,23 +181,22 @@ class OmniModel(PreTrainedModel):
     def write_config(self, directory: str) -> None:
         """The root `config.json`: module names in order, each one's original class, subfolder, source and
         processor kind; once a run prepared the model, whether each was trained."""
-        entries = []
-        for slot in self.slots.values():
-            entries.append(dataclasses.replace(
-                slot.entry, cls=class_record(original_class(slot.module), slot.name),
-                processor=processor_kind(slot.processor) if slot.processor is not None else None,
-                trained=slot.trains if self.prepared is not None else slot.entry.trained))
+        entries = [dataclasses.replace(slot.entry, cls=class_record(original_class(slot.module), slot.name),
+                                       processor=processor_kind(slot.processor) if slot.processor is not None else None,
+                                       trained=slot.trains if self.prepared is not None else slot.entry.trained)
+                   for slot in self.slots.values()]
         OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,
                         device_map=None, dtype=None, merge_lora: bool = False, **kwargs) -> "OmniModel":
         """Rebuild the composed model from `save_pretrained` output (each module from its subfolder, or from its
-        recorded source when the subfolder is absent; an adopted model's folder: `adopt.model`). The eager build (one process, no process group; eval mode): `device_map` a device, `"auto"` (each module
-        placed by transformers / Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`;
-        LoRA modules keep their adapters unless `merge_lora=True` (merged by PEFT into plain weights).
-        `empty_init=True` (training): modules are built on the meta device and remember their weights folder;
-        `OmniPlugin.prepare` shards them first and reads each rank's shards after (see `hf_omni.modules.weights`)."""
+        recorded source when the subfolder is absent; an adopted model's folder: `adopt.model`). The eager build (one
+        process, no process group; eval mode): `device_map` a device, `"auto"` (each module placed by transformers /
+        Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`; LoRA modules keep their adapters
+        unless `merge_lora=True` (merged by PEFT into plain weights). `empty_init=True` (training): modules are built
+        on the meta device and remember their weights folder; `OmniPlugin.prepare` shards them first and reads each
+        rank's shards after (see `hf_omni.modules.weights`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
@@ -234,10 +235,9 @@ class OmniModel(PreTrainedModel):
                     token: str | None = None, private: bool | None = None, revision: str | None = None,
                     commit_message: str = "Upload with hf_omni", merge_lora: bool = False,
                     is_main_process: bool = True) -> dict[str, str] | None:
-        """Save to a temporary folder and push it (`hub.push.push_saved`): per-module repos plus the composition
-        repo `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub,
-        hub_model_id}}`. With sharded modules every rank calls it; the main process pushes. Returns
-        `{repo: commit}`."""
+        """Save to a temporary folder and push it (`hub.push.push_saved`): per-module repos plus the composition repo
+        `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub, hub_model_id}}`.
+        With sharded modules every rank calls it; the main process pushes. Returns `{repo: commit}`."""
         import tempfile
 
         from .hub.push import push_saved

@@ -99,6 +99,10 @@ class AdoptedModel(OmniModel):
         found = {kind: [c for c in columns if c in self.argument_names] for kind, columns in MODALITY_INPUTS.items()}
         return {kind: columns for kind, columns in found.items() if columns}
 
+    def forward_owner(self) -> PreTrainedModel:
+        """The released model: its class's `forward` names the labels (the instance's `forward` is set per object)."""
+        return self.released
+
     def generate(self, *args, **kwargs):
         return self.released.generate(*args, **kwargs)
 

@@ -31,6 +31,7 @@ TRAINER_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "_load_best_model": (OVERRIDES, ("self",)),
     "_load_optimizer_and_scheduler": (OVERRIDES, ("self", "checkpoint")),
     "_load_scaler": (OVERRIDES, ("self", "checkpoint")),
+    "prediction_step": (OVERRIDES, ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     "get_eval_dataloader": (OVERRIDES, ("self", "eval_dataset")),
     "get_test_dataloader": (OVERRIDES, ("self", "test_dataset")),
     "_get_train_sampler": (OVERRIDES, ("self", "train_dataset")),
@@ -42,7 +43,7 @@ TRAINER_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # instance attributes of Trainer that OmniTrainer reads or sets (each must still be one Trainer's code uses)
 TRAINER_ATTRIBUTES = ("model_wrapped", "callback_handler", "push_in_progress", "label_smoother", "hub_model_id",
-                      "_train_batch_size")
+                      "_train_batch_size", "label_names", "can_return_loss")
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from transformers import Trainer
+from transformers.utils import can_return_loss, find_labels
 
 from ..arguments.training import OmniTrainingArguments
 from ..checkpoint import files as checkpoint_files
@@ -48,6 +49,10 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
         self.plugin.resolve(model)  # every argument error before any compute
         check_hub_links(args, model)
         super().__init__(model=model, args=args, **kwargs)
+        owner = type(model.forward_owner())  # Trainer read the composed class; an adopted model's forward is the
+        if args.label_names is None:          # released class's, set on the instance
+            self.label_names = find_labels(owner)
+        self.can_return_loss = can_return_loss(owner)
         self._init_hub()
         for module in model.omni_modules().values():  # Trainer sets `use_cache` on its one model's config
             if hasattr(module.config, "use_cache"):
@@ -89,6 +94,13 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         self._prepare_modules_for_eval()
         return super().predict(test_dataset, ignore_keys, metric_key_prefix)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The outputs left out of the predictions: those the forward's own config names, as Trainer on it reads."""
+        if ignore_keys is None:
+            config = getattr(self.model.forward_owner(), "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _prepare_modules_for_eval(self) -> None:
         """Before `train()`: the modules prepared as training will run them (sharded, read, served offline)."""
