@@ -3,8 +3,12 @@ per-image outputs (Qwen2.5-VL's of different lengths, mixed resolutions here) ca
 forward as `mm_encoder_outputs`; the run equals the online one. Caching is refused when the method runs a module that
 is not cached with it (the projector, in both families)."""
 
+from importlib.util import find_spec
+
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from helpers import make_args, step_losses
 from released_models import BUILDERS, Rows, collate
 
@@ -17,8 +21,8 @@ SETTINGS = {"vision": {"trainable": False, "offline_encoder": "get_image_feature
             "llm": {"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, "learning_rate": 1e-2}}
 
 
-def run(tmp_path, family: str, offline: bool, modules=CACHED, settings=SETTINGS):
-    model = OmniModel.from_model(BUILDERS[family](), modules=modules[family])
+def run(tmp_path, family: str, offline: bool, modules=CACHED, settings=SETTINGS, released=None):
+    model = OmniModel.from_model(released or BUILDERS[family](), modules=modules[family])
     rows = Rows(family, model.released, 24, text_only_every=5, wide_every=2)
     args = make_args(tmp_path / f"{family}-{offline}", modules=settings, offline_modules=["vision"] if offline else None,
                      offline_cache_dir=str(tmp_path / "cache"), per_device_train_batch_size=6)
@@ -41,6 +45,22 @@ def test_cached_image_features_train_as_online(tmp_path, family):
         served = offline.train_dataset[1]["image_features"]
         assert [tuple(t.shape) for t in served] == [(8, 24)] and "pixel_values" not in offline.train_dataset[1]
         assert "image_grid_thw" in offline.train_dataset[1]  # kept: the forward's position ids need it
+
+
+def test_a_released_model_loaded_with_from_pretrained_trains_with_its_tower_offline(tmp_path):
+    """transformers 5.25+ (with `kernels`) kernelizes a `from_pretrained` model at every train() / eval() switch on
+    its first parameter's device, which is the meta device once the tower is served offline: the model is set back to
+    torch's layers before the tower moves, and trains as the same weights built in memory."""
+    BUILDERS["llava"]().save_pretrained(tmp_path / "released")
+    loaded = type(BUILDERS["llava"]()).from_pretrained(tmp_path / "released")
+    kernelized = getattr(loaded, "use_kernels", False)  # True from transformers 5.25 with `kernels` installed
+    offline = run(tmp_path / "loaded", "llava", True, released=loaded)
+    built = run(tmp_path / "built", "llava", True)
+    assert all(p.is_meta for p in offline.model.vision.parameters())
+    assert getattr(loaded, "use_kernels", False) is False
+    if find_spec("kernels") is not None and Version(transformers.__version__) >= Version("5.25"):
+        assert kernelized  # the newest leg: the case the reset is for
+    assert step_losses(offline) == pytest.approx(step_losses(built), abs=1e-6)
 
 
 def test_caching_an_entry_point_that_runs_another_module_is_refused(tmp_path):

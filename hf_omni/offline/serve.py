@@ -97,5 +97,18 @@ def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator
         if folder is not None:  # empty_init: the folder it is read from is its source
             slot.record_source(folder)
         write_frozen_source(slot, output_dir, group)  # built in memory: written once, its source
+        unkernelize_holders(model, slot.module)
         slot.released()
     return {split: CachedRows(dataset, served[split]) for split, dataset in datasets.items()}
+
+
+def unkernelize_holders(model, module) -> None:
+    """transformers (5.25+, with `kernels`) kernelizes a `from_pretrained` model again at every `train()` / `eval()`
+    switch, on its first parameter's device: a model holding a module about to move to the meta device (its own, or
+    an adopted release holding the tower) is set back to torch's layers first, while its device is still real."""
+    owned = {id(p) for p in module.parameters()}
+    for holder in model.forward_owner().modules():
+        if getattr(holder, "use_kernels", False) and any(id(p) in owned for p in holder.parameters()):
+            logging.getLogger(__name__).info("%s: transformers' kernels reset to torch's layers (a module of it is "
+                                             "served offline, on the meta device)", type(holder).__name__)
+            holder.use_kernels = False
