@@ -23,15 +23,16 @@ EARLIER = "resume or export from an earlier checkpoint (or restore this file fro
 
 
 def problem(path: str, size: int | None = None) -> str | None:
-    """What is wrong with the file at `path` (`size`: its size, when already known), or None. Files other than
-    safetensors and JSON are not looked into."""
+    """What is wrong with the file at `path` (`size`: its size, when already known), said of it ("is not valid
+    JSON (...)"), or None. Files other than safetensors and JSON are not looked into."""
     try:
         if path.endswith(".safetensors"):
-            return safetensors_problem(path, os.path.getsize(path) if size is None else size)
+            found = safetensors_problem(path, os.path.getsize(path) if size is None else size)
+            return f"is damaged: {found}" if found else None
         if path.endswith(".json"):
             return json_problem(path)
     except OSError as err:
-        return f"it cannot be read ({err})"
+        return f"cannot be read ({err})"
     return None
 
 
@@ -40,7 +41,7 @@ def json_problem(path: str) -> str | None:
         try:
             json.loads(f.read())
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError alike
-            return f"it is not valid JSON ({err})"
+            return f"is not valid JSON ({err})"
     return None
 
 

@@ -132,7 +132,7 @@ def check_files(directory: str, listed: dict[str, int], what: str, marker: str =
                                    f"written; {advice}")
         found = file_checks.problem(path, size)
         if found:
-            raise DamagedFileError(path, f"{what}: file {rel} is damaged: {found}; {advice}")
+            raise DamagedFileError(path, f"{what}: file {rel} {found}; {advice}")
 
 
 def complete_checkpoints(run_dir: str) -> list[str]:
