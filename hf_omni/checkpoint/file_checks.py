@@ -5,7 +5,7 @@ Why: a damaged file otherwise fails deep inside safetensors or DCP ("invalid JSO
 without naming itself, or, like an adopted model's `released/` copy, which no resume reads, not until its export is
 loaded somewhere else. `files.check_files` runs these on each rank's share of the listed files, so a resume or an
 export refuses the checkpoint before anything is read or written. Cheap at any size: no tensor data is read, only
-headers (a few MB at most), and JSON files, which hf_omni keeps small.
+headers (a few MB at most) and JSON files (configs, states, tokenizers), each file by one rank.
 """
 
 from __future__ import annotations
