@@ -26,7 +26,7 @@ from .progress import each
 
 
 def export(checkpoint: str, out: str) -> None:
-    check_complete(checkpoint, verify=None)  # sha256 of every file, when the checkpoint recorded them
+    check_complete(checkpoint, verify=None)  # every file (headers, JSON; sha256 when recorded) before any write
     config = OmniConfig.from_pretrained(checkpoint)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: nothing was written")

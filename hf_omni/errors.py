@@ -1,4 +1,5 @@
-"""The package's argument error: a `ValueError` whose message starts with the module and key it is about."""
+"""The package's own `ValueError`s: a bad argument (the message starts with the module and key it is about), and a
+damaged file (the message names the file and what to do)."""
 
 
 class OmniArgumentError(ValueError):
@@ -8,3 +9,12 @@ class OmniArgumentError(ValueError):
         self.module, self.key = module, key
         where = f"modules.{module}.{key}" if module else key
         super().__init__(f"{where}: {message}")
+
+
+class DamagedFileError(ValueError):
+    """A file a resume or an export reads is missing, cut short or unreadable: `path` is that file, and the message
+    names it and what to do, so that a user never has to guess which of a checkpoint's files failed."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(message)

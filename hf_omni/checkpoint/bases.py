@@ -24,6 +24,9 @@ from . import files
 from .digests import check_share, hash_checkpoint
 
 
+SHARED = "restore this file from a copy (every checkpoint of the run that refers to this base shares it)"
+
+
 @dataclass
 class Base:
     name: str  # <module>-<token>: unique per write
@@ -81,7 +84,7 @@ def check_bases(directory: str, marker: dict, verify: bool | None, share: tuple[
     rank's share of its sha256 pieces)."""
     for module, base in recorded(directory, marker).items():
         what = f"checkpoint {directory}: module {module!r}'s LoRA base {base.folder}"
-        files.check_files(base.folder, base.files, what, BASE_MARKER, share)
+        files.check_files(base.folder, base.files, what, BASE_MARKER, share, advice=SHARED)
         if verify or (verify is None and base.sha256):
             if not base.sha256:
                 raise ValueError(f"{what} has no sha256 of its files to verify (saved without verify_checkpoint)")

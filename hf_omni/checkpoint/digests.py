@@ -13,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 
+from ..errors import DamagedFileError
+from .file_checks import EARLIER
+
 PIECE = 256 * 2**20  # bytes hashed as one piece
 READ = 8 * 2**20  # bytes read at a time
 
@@ -97,12 +100,12 @@ def check_share(directory: str, sizes: dict[str, int], recorded: dict, rank: int
             continue
         mine = pieces({rel: sizes[rel]})
         if len(mine) != len(recorded[rel]):
-            raise ValueError(f"{what}: file {rel} does not match its sha256 (its pieces changed "
-                             "after the save)")
+            raise DamagedFileError(os.path.join(directory, rel), f"{what}: file {rel} does not match its sha256 (its "
+                                   f"pieces changed after the save); {EARLIER}")
         cut += mine
         expected += recorded[rel]
     for index in sorted(deal([length for _, _, length in cut], world)[rank]):
         rel, offset, length = cut[index]
         if piece_sha256(os.path.join(directory, rel), offset, length) != expected[index]:
-            raise ValueError(f"{what}: file {rel} does not match its sha256 at bytes "
-                             f"{offset}-{offset + length} (changed after the save)")
+            raise DamagedFileError(os.path.join(directory, rel), f"{what}: file {rel} does not match its sha256 at "
+                                   f"bytes {offset}-{offset + length} (changed after the save); {EARLIER}")

@@ -25,6 +25,8 @@ import os
 import re
 
 from ..dist import world_size
+from ..errors import DamagedFileError
+from . import file_checks
 
 MARKER = "hf_omni_checkpoint.json"
 SCALER = "scaler.json"
@@ -84,11 +86,13 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
     try:
         marker = read_marker(directory)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint {directory}: {MARKER} is not valid JSON ({err})") from None
+        raise DamagedFileError(os.path.join(directory, MARKER), f"checkpoint {directory}: {MARKER} is not valid JSON "
+                               f"({err}); {file_checks.EARLIER}") from None
     if marker is None:
         raise ValueError(f"checkpoint {directory} has no {MARKER}: it is incomplete (a crash during its save?)")
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
-        raise ValueError(f"checkpoint {directory}: {MARKER} has no file list")
+        raise DamagedFileError(os.path.join(directory, MARKER), f"checkpoint {directory}: {MARKER} has no file list; "
+                               f"{file_checks.EARLIER}")
     if marker.get("format") != FORMAT:
         raise ValueError(f"checkpoint {directory} has format {marker.get('format')!r}, this hf_omni reads format "
                          f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
@@ -104,10 +108,12 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
 
 
 def check_files(directory: str, listed: dict[str, int], what: str, marker: str = MARKER,
-                share: tuple[int, int] = (0, 1)) -> None:
-    """Every file `listed` (relative path -> size) under `directory` with its size, and no other file there.
-    `share` (rank, world): this rank stats file i of the sorted list when i mod world == rank, and rank 0 lists
-    the folder for files not listed, so a resume stats each file once in all (the ranks then agree)."""
+                share: tuple[int, int] = (0, 1), advice: str = file_checks.EARLIER) -> None:
+    """Every file `listed` (relative path -> size) under `directory` with its size and, for safetensors and JSON,
+    a header or content that parses (`file_checks`), and no other file there. `share` (rank, world): this rank
+    checks file i of the sorted list when i mod world == rank, and rank 0 lists the folder for files not listed,
+    so a resume checks each file once in all (the ranks then agree). A damaged file is a `DamagedFileError` naming
+    it and saying what to do (`advice`)."""
     rank, world = share
     if rank == 0:
         extra = sorted(set(listed_files(directory, marker)) - set(listed))
@@ -120,9 +126,13 @@ def check_files(directory: str, listed: dict[str, int], what: str, marker: str =
             continue
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
-            raise ValueError(f"{what}: file {rel} is missing")
+            raise DamagedFileError(path, f"{what}: file {rel} is missing; {advice}")
         if os.path.getsize(path) != size:
-            raise ValueError(f"{what}: file {rel} has {os.path.getsize(path)} bytes, {size} were written")
+            raise DamagedFileError(path, f"{what}: file {rel} has {os.path.getsize(path)} bytes, {size} were "
+                                   f"written; {advice}")
+        found = file_checks.problem(path, size)
+        if found:
+            raise DamagedFileError(path, f"{what}: file {rel} {found}; {advice}")
 
 
 def complete_checkpoints(run_dir: str) -> list[str]:

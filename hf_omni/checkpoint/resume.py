@@ -29,8 +29,8 @@ def resume_weights_folders(model, directory: str) -> set[str]:
 
 
 def check_shared(directory: str, timeout_s: float | None = None) -> dict:
-    """`files.check_complete` with each rank statting its share of the files (and checking nothing else twice),
-    the ranks then agreeing on the outcome (digests: at the load, `verify_checkpoint`)."""
+    """`files.check_complete` with each rank statting its share of the files and parsing their headers / JSON
+    (`file_checks`), the ranks then agreeing on the outcome (digests: at the load, `verify_checkpoint`)."""
     from ..dist import checkpoint_group
 
     with agreed(f"checking checkpoint {directory}", checkpoint_group(timeout_s)):

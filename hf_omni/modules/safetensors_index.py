@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..dtypes import BY_SAFETENSORS_NAME
+from ..errors import DamagedFileError
 
 
 class SafetensorsIndex:
@@ -28,7 +29,13 @@ class SafetensorsIndex:
         if name not in self._handles:
             from safetensors import safe_open
 
-            self._handles[name] = safe_open(os.path.join(self.folder, name), framework="pt")
+            path = os.path.join(self.folder, name)
+            try:
+                self._handles[name] = safe_open(path, framework="pt")
+            except Exception as err:  # safetensors raises its own error types, none naming the file
+                message = f"{path} cannot be read as safetensors ({type(err).__name__}: {err}); restore it from a " \
+                          "copy (a checkpoint's file: use an earlier checkpoint)"
+                raise DamagedFileError(path, message) from None
         return self._handles[name]
 
     @property
@@ -37,8 +44,8 @@ class SafetensorsIndex:
         return {key: self._handle(name) for key, name in self.files.items()}
 
     def _slice(self, key: str, whole: bool = False):
+        handle = self._handle(self.files[key])
         try:
-            handle = self._handle(self.files[key])
             return handle.get_tensor(key) if whole else handle.get_slice(key)
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"{self.folder}: {self.files[key]} does not hold {key} as its index says "
