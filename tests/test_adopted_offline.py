@@ -21,11 +21,11 @@ SETTINGS = {"vision": {"trainable": False, "offline_encoder": "get_image_feature
             "llm": {"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, "learning_rate": 1e-2}}
 
 
-def run(tmp_path, family: str, offline: bool, modules=CACHED, settings=SETTINGS, released=None):
+def run(tmp_path, family: str, offline: bool, modules=CACHED, settings=SETTINGS, released=None, **overrides):
     model = OmniModel.from_model(released or BUILDERS[family](), modules=modules[family])
     rows = Rows(family, model.released, 24, text_only_every=5, wide_every=2)
     args = make_args(tmp_path / f"{family}-{offline}", modules=settings, offline_modules=["vision"] if offline else None,
-                     offline_cache_dir=str(tmp_path / "cache"), per_device_train_batch_size=6)
+                     offline_cache_dir=str(tmp_path / "cache"), per_device_train_batch_size=6, **overrides)
     trainer = OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
     trainer.train()
     return trainer
@@ -54,8 +54,8 @@ def test_a_released_model_loaded_with_from_pretrained_trains_with_its_tower_offl
     BUILDERS["llava"]().save_pretrained(tmp_path / "released")
     loaded = type(BUILDERS["llava"]()).from_pretrained(tmp_path / "released")
     kernelized = getattr(loaded, "use_kernels", False)  # True from transformers 5.25 with `kernels` installed
-    offline = run(tmp_path / "loaded", "llava", True, released=loaded)
-    built = run(tmp_path / "built", "llava", True)
+    offline = run(tmp_path / "loaded", "llava", True, released=loaded, max_steps=2)
+    built = run(tmp_path / "built", "llava", True, max_steps=2)
     assert all(p.is_meta for p in offline.model.vision.parameters())
     assert getattr(loaded, "use_kernels", False) is False
     if find_spec("kernels") is not None and Version(transformers.__version__) >= Version("5.25"):
