@@ -6,7 +6,7 @@ what Trainer returns on the release class (before and after training, `eval_do_c
 import pytest
 import torch
 from released_models import BUILDERS, MODULES, Rows, collate
-from scripts.mp_evaluate import EVAL_ROWS, flat, logits_of, run, token_accuracy
+from scripts.mp_evaluate import EVAL_ROWS, flat, logits_of, logits_only, run, token_accuracy
 from transformers import Trainer, TrainingArguments
 
 from hf_omni import OmniModel, OmniTrainer, OmniTrainingArguments
@@ -14,6 +14,7 @@ from hf_omni import OmniModel, OmniTrainer, OmniTrainingArguments
 
 def plain_predict(tmp_path, released, dataset, concat: bool = True):
     """Plain Trainer on the released class: the ground truth."""
+    logits_only(released, dataset)
     args = TrainingArguments(output_dir=str(tmp_path / "plain"), use_cpu=True, report_to="none",
                              per_device_eval_batch_size=4, eval_do_concat_batches=concat)
     out = Trainer(model=released, args=args, data_collator=collate, compute_metrics=token_accuracy).predict(dataset)

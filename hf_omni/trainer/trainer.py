@@ -96,10 +96,11 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
         return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The outputs left out of the predictions: those the forward's own config names, as Trainer on it reads."""
+        """The outputs left out of the predictions: those the forward's own config names, as Trainer on it reads
+        (none named: Trainer's own default, which differs between releases)."""
         if ignore_keys is None:
             config = getattr(self.model.forward_owner(), "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _prepare_modules_for_eval(self) -> None:

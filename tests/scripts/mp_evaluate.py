@@ -47,10 +47,20 @@ def flat(predictions):
     return torch.from_numpy(np.concatenate(predictions) if isinstance(predictions, list) else predictions)
 
 
+def logits_only(released, rows) -> None:
+    """Every output but the loss and the logits left out of the predictions, named by the release's own config (as
+    plain Trainer reads it): LLaVA's vision outputs hold `None` entries, which Trainer cannot pad across processes,
+    and the cache's output name differs between transformers releases."""
+    with torch.no_grad():
+        keys = released(**collate([rows[0], rows[1]])).keys()
+    released.config.keys_to_ignore_at_inference = [k for k in keys if k not in ("loss", "logits")]
+
+
 def run(out_dir: str, world: int) -> dict:
     model = OmniModel.from_model(BUILDERS["llava"](), modules=MODULES["llava"])
     rows = Rows("llava", model.released, 24, seed=1)
     held_out = Rows("llava", model.released, EVAL_ROWS, seed=2)
+    logits_only(model.released, held_out)
     args = make_args(out_dir, modules=PARALLEL, per_device_train_batch_size=8 // world,
                      per_device_eval_batch_size=4 // world, max_steps=3, eval_strategy="steps", eval_steps=1,
                      save_strategy="steps", save_steps=1, load_best_model_at_end=True,
