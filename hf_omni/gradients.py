@@ -14,11 +14,21 @@ def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.
     shards and gradients live on the CPU, its mesh's group on the accelerator. A module with no gradients has
     norm 0."""
     from torch.distributed.tensor import DTensor
-    from torch.nn.utils import get_total_norm
 
     if not params:
         return torch.zeros((), device=device)
-    norm = get_total_norm([p.grad for p in params])
+    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    whole = [p.grad for p in params if not isinstance(p.grad, DTensor)]  # an adopted module's loose tensors
+    if sharded and whole:  # beside its sharded submodules (`parallel.loose`): torch norms no mix of the two
+        return torch.linalg.vector_norm(torch.stack([_norm(sharded, device), _norm(whole, device)]))
+    return _norm(sharded or whole, device)
+
+
+def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
+    norm = get_total_norm(grads)
     if isinstance(norm, DTensor):
         local = norm.to_local()
         if local.device != device:
@@ -34,6 +44,7 @@ def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | N
     to it by the combined norm; else each module to its own limit (0: none). An offloaded module's CPU gradients
     are scaled by a norm on the accelerator: torch copies that one number to the host (its optimizer steps there
     anyway)."""
+    from torch.distributed.tensor import DTensor
     from torch.nn.utils import clip_grads_with_norm_
 
     optimizer.unscale_()  # fp16: true gradients before norms and clipping
@@ -44,7 +55,10 @@ def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | N
     for name, params in grads.items():
         limit, norm = (global_limit, total) if global_limit is not None else (limits[name], norms[name])
         if params and limit and limit > 0:
-            clip_grads_with_norm_(params, limit, norm)
+            for sharded in (True, False):  # loose tensors beside sharded ones: torch's foreach takes no mix
+                group = [p for p in params if isinstance(p.grad, DTensor) == sharded]
+                if group:
+                    clip_grads_with_norm_(group, limit, norm)
     return norms, total
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, PaliGemmaConfig,
-    PaliGemmaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+    Blip2Config, Blip2ForConditionalGeneration, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration,
+    LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, PaliGemmaConfig, PaliGemmaForConditionalGeneration,
+    Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
 )
 
 IMAGE_TOKENS = 4  # every family here: 4 image tokens per image
@@ -46,6 +47,33 @@ def paligemma(seed: int = 0) -> PaliGemmaForConditionalGeneration:
     return PaliGemmaForConditionalGeneration(config)
 
 
+def blip2(seed: int = 0) -> Blip2ForConditionalGeneration:
+    """BLIP-2 with an OPT language model; its `query_tokens` a parameter of the root model itself."""
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    qformer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   encoder_hidden_size=16, vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    text = dict(model_type="opt", vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0)
+    config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text, num_query_tokens=IMAGE_TOKENS,
+                         image_token_index=63)
+    torch.manual_seed(seed)
+    return Blip2ForConditionalGeneration(config)
+
+
+def gemma3(seed: int = 0) -> Gemma3ForConditionalGeneration:
+    """Gemma3: its `lm_head` (tied to the language model's embeddings) outside `model.language_model`."""
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=8, patch_size=2)
+    text = dict(model_type="gemma3_text", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                sliding_window=8)
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=IMAGE_TOKENS,
+                          image_token_index=63, boi_token_index=61, eoi_token_index=62)
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(config)
+
+
 MODULES = {
     "llava": {"vision": "model.vision_tower", "projector": "model.multi_modal_projector",
               "llm": ["model.language_model", "lm_head"]},
@@ -53,14 +81,21 @@ MODULES = {
                    "llm": ["model.language_model", "lm_head"]},
     "paligemma": {"vision": "model.vision_tower", "projector": "model.multi_modal_projector",
                   "llm": ["model.language_model", "lm_head"]},
+    "blip2": {"vision": "vision_model", "qformer": ["qformer", "query_tokens", "language_projection"],
+              "llm": "language_model"},
 }
-BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "paligemma": paligemma}
+BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "paligemma": paligemma, "blip2": blip2}
+BUILT = BUILDERS | {"gemma3": gemma3}  # every family here (Gemma3 outside the module matrix: its mapping below)
+TIED_OUTSIDE = {"vision": "model.vision_tower", "projector": "model.multi_modal_projector",
+                "llm": "model.language_model"}  # Gemma3's: its tied `lm_head` taken into `llm`
 
 
 def image_prefix(family: str, model, wide: bool = False) -> list[int]:
     """The tokens standing for one image in the text, as the family's processor writes them."""
     if family == "qwen2_5_vl":
         return [model.config.vision_start_token_id] + [model.config.image_token_id] * IMAGE_TOKENS * (2 if wide else 1)
+    if family == "blip2":
+        return [model.config.image_token_id] * IMAGE_TOKENS
     return [model.config.image_token_index] * IMAGE_TOKENS
 
 

@@ -95,8 +95,9 @@ def module_folder_root(model, name: str):
         raise ValueError(f"module_folders: {name!r} is not a module of the adopted model {model.module_names}")
     slot = model.slots[name]
     roots = slot.module.omni_roots
-    if len(roots) != 1 or roots[0].carved or not isinstance(roots[0].module, PreTrainedModel):
-        paths = [r.path for r in roots]
+    if len(roots) != 1 or roots[0].carved or slot.module.omni_tensors or not isinstance(roots[0].module,
+                                                                                        PreTrainedModel):
+        paths = slot.module.omni_paths
         raise ValueError(f"module_folders: module {name!r} ({paths}) is not one PreTrainedModel with all its "
                          "tensors: only such a module has an HF folder of its own")
     if lora_config_of(slot.module) is not None:

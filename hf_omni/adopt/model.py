@@ -25,7 +25,8 @@ from ..modeling import OmniModel
 from ..modules.classes import class_record, original_class, resolve_module_class
 from .inputs import check_same_inputs
 from .offline import served_signature
-from .parts import build_parts, normalise, sync_into
+from .owners import check_paths, claim_tied, normalise
+from .parts import build_parts, sync_into
 
 MODALITY_INPUTS = {"image": ["pixel_values", "image_grid_thw", "pixel_attention_mask"],
                    "video": ["pixel_values_videos", "video_grid_thw"], "audio": ["input_features", "input_values"]}
@@ -63,6 +64,8 @@ class AdoptedModel(OmniModel):
         if kwargs:
             raise TypeError(f"from_model: unexpected arguments {sorted(kwargs)}")
         mapping = normalise(modules)
+        check_paths(model, mapping)
+        mapping = claim_tied(model, mapping)  # a tied head outside every module: its tied module's (recorded so)
         released_class = original_class(model)
         record = class_record(released_class, "(adopted model)")
         entries = [ModuleEntry(name, record, name, extra={"paths": paths}) for name, paths in mapping.items()]

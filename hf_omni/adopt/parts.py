@@ -6,7 +6,9 @@ paths, so that its tensor names are the released model's own (`model.language_mo
 and its state dict, optimizer state and checkpoints are keyed as the original files are. The submodules are the
 released model's own objects: moving, freezing, LoRA or sharding them acts on the model whose `forward` runs. A
 path with a carved-out descendant is held through a `Shell` of it: the same tensors and children, less the carved
-ones (they belong to the other module).
+ones (they belong to the other module). A path may also name one parameter or buffer (BLIP-2's `query_tokens`, an
+attribute of the root model): the Part holds that tensor under its released name (`Loose`), in a table that writes
+through to its released holder's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .owners import check_owned, check_paths, normalise
+
 
 class Part(nn.Module):
     """One module of an adopted model. It is never called: the released model's `forward` runs its submodules."""
@@ -22,7 +26,9 @@ class Part(nn.Module):
     def __init__(self, name: str, config=None):
         super().__init__()
         self.omni_name = name
-        self.omni_roots: list[Root] = []
+        self.omni_roots: list[Root] = []  # its paths that name submodules
+        self.omni_tensors: list[Loose] = []  # ... and those that name one parameter or buffer
+        self.omni_paths: list[str] = []  # all of them, in the mapping's order
         self.config = config  # the released model's (its `use_cache`, quantisation, ...)
 
     def forward(self, *args, **kwargs):
@@ -79,49 +85,22 @@ class Root:
         return {p for c in self.carved for p in self.module.get_submodule(c).parameters()}
 
 
-def normalise(modules: dict) -> dict[str, list[str]]:
-    """{name: [path, ...]} from {name: path | [paths]}, each path checked as a plain dotted attribute path."""
-    if not isinstance(modules, dict) or not modules:
-        raise ValueError("from_model: modules= must map module names to attribute paths, e.g. {'vision': "
-                         "'model.vision_tower', 'llm': ['model.language_model', 'lm_head']}")
-    out = {}
-    for name, paths in modules.items():
-        paths = [paths] if isinstance(paths, str) else list(paths) if isinstance(paths, (list, tuple)) else None
-        if not isinstance(name, str) or not name.isidentifier() or not paths or not all(
-                isinstance(p, str) and p and all(s.isidentifier() or s.isdigit() for s in p.split(".")) for p in paths):
-            raise ValueError(f"from_model: module {name!r}: {modules[name]!r} is not an attribute path or a list of "
-                             "them (e.g. 'model.vision_tower')")
-        if name == "released":
-            raise ValueError("from_model: 'released' is not a module name: a checkpoint's folder of that name holds "
-                             "the model in its released format")
-        out[name] = paths
-    return out
-
-
 def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
     """One `Part` per module of `model` (a released model), every parameter and buffer owned by exactly one."""
     mapping = normalise(modules)
-    every = [(name, path) for name, paths in mapping.items() for path in paths]
-    for name, path in every:
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"from_model: module {name!r}: {type(model).__name__} has no submodule {path!r}") from None
-    for i, (name, path) in enumerate(every):
-        for other_name, other in every[i + 1:]:
-            if path == other:
-                raise ValueError(f"from_model: path {path!r} is given to modules {name!r} and {other_name!r}")
-            inner, outer = (path, other) if path.startswith(other + ".") else (other, path) \
-                if other.startswith(path + ".") else (None, None)
-            if inner is not None and name == other_name:
-                raise ValueError(f"from_model: module {name!r}: {inner!r} lies inside its own {outer!r}")
+    kinds = check_paths(model, mapping)
+    every = [path for paths in mapping.values() for path in paths]
     parts = {}
     for name, paths in mapping.items():
         part = parts[name] = Part(name, getattr(model, "config", None))
         part._tied_weights_keys = getattr(model, "_tied_weights_keys", None)  # the names are the released model's
         part.__dict__["omni_released"] = model  # not a child: whose key conversion its files follow
+        part.omni_paths = list(paths)
         for path in paths:
-            carved = sorted(p[len(path) + 1:] for _, p in every if p.startswith(path + "."))
+            if kinds[path] != "submodule":
+                part.omni_tensors.append(_place_tensor(part, model, path, kinds[path]))
+                continue
+            carved = sorted(p[len(path) + 1:] for p in every if p.startswith(path + "."))
             carved = [c for c in carved if not any(c.startswith(o + ".") for o in carved)]  # the nearest ones
             real = model.get_submodule(path)
             part.omni_roots.append(Root(path, real, carved))
@@ -130,36 +109,63 @@ def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
     return parts
 
 
-def _place(part: Part, path: str, module: nn.Module) -> None:
+def _holder(part: Part, path: str) -> nn.Module:
+    """The Part's container at `path` (the Part itself for ''), made as a plain module where missing."""
     holder = part
-    *parents, last = path.split(".")
-    for attr in parents:
+    for attr in path.split(".") if path else ():
         if attr not in holder._modules:
             holder._modules[attr] = nn.Module()
         holder = holder._modules[attr]
-    holder._modules[last] = module
+    return holder
 
 
-def tensors_of(module: nn.Module) -> dict[int, str]:
-    return {id(t): n for n, t in list(module.named_parameters(remove_duplicate=False)) + list(
-        module.named_buffers(remove_duplicate=False))}
+def _place(part: Part, path: str, module: nn.Module) -> None:
+    parent, _, last = path.rpartition(".")
+    _holder(part, parent)._modules[last] = module
 
 
-def check_owned(model: nn.Module, parts: dict[str, Part]) -> None:
-    """Every tensor of `model` in exactly one module: unassigned ones are listed by name, and a tensor two modules
-    hold (tied across them) names both."""
-    owner: dict[int, tuple[str, str]] = {}
-    for name, part in parts.items():
-        for tensor_id, tensor_name in tensors_of(part).items():
-            first = owner.setdefault(tensor_id, (name, tensor_name))
-            if first[0] != name:
-                raise ValueError(f"from_model: {first[1]} (module {first[0]!r}) and {tensor_name} (module {name!r}) "
-                                 "are one tensor (tied weights): put both paths in one module")
-    unassigned = [n for t, n in tensors_of(model).items() if t not in owner]
-    if unassigned:
-        raise ValueError(f"from_model: {len(unassigned)} tensors of {type(model).__name__} belong to no module: "
-                         f"{unassigned[:8]}{' ...' if len(unassigned) > 8 else ''}. Give their submodule to a module "
-                         "in modules= (every parameter and buffer is trained, saved and sharded by exactly one)")
+def _place_tensor(part: Part, model: nn.Module, path: str, kind: str) -> "Loose":
+    """A parameter or buffer named by its own path, held in the Part under its released name through a table that
+    writes through to its released holder's (a device move or a meta tensor's allocation replaces it in both)."""
+    parent, _, attr = path.rpartition(".")
+    real = model.get_submodule(parent) if parent else model
+    holder = _holder(part, parent)
+    for table in ("_parameters", "_buffers"):
+        if not isinstance(getattr(holder, table), Through):
+            holder.__dict__[table] = Through(getattr(real, table), getattr(holder, table))
+    if kind == "parameter":
+        holder._parameters[attr] = real._parameters[attr]
+    else:
+        holder._buffers[attr] = real._buffers[attr]
+        if attr in real._non_persistent_buffers_set:
+            holder._non_persistent_buffers_set.add(attr)
+    return Loose(path, real, attr)
+
+
+class Through(dict):
+    """Some of a released submodule's parameters (or buffers), by name: what is set here is set there too."""
+
+    def __init__(self, real: dict, own: dict):
+        super().__init__(own)
+        self.real = real
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.real[key] = value
+
+
+@dataclass
+class Loose:
+    """A path of a module that names one parameter or buffer (BLIP-2's `query_tokens`): no strategy wraps it alone;
+    under a collective one it is kept whole on every rank (`parallel.loose`)."""
+
+    path: str
+    holder: nn.Module  # the released submodule whose attribute it is
+    attr: str
+
+    @property
+    def tensor(self):
+        return self.holder._parameters.get(self.attr, self.holder._buffers.get(self.attr))
 
 
 def run_roots(module: nn.Module) -> list[nn.Module]:

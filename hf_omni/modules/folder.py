@@ -158,7 +158,7 @@ def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=N
     view = save_view(module)
     if base is None and not hasattr(view, "can_generate"):  # a module of an adopted model: its paths, no class
         with open(os.path.join(folder, PART_FILE), "w") as f:
-            json.dump({"paths": [r.path for r in view.omni_roots]}, f)
+            json.dump({"paths": view.omni_paths}, f)
     elif base is None:
         config = view.config
         config.architectures = [original_class(module).__name__]

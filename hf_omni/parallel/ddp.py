@@ -18,6 +18,7 @@ from torch import nn
 
 from ..compat import composable_replicate
 from ..adopt.parts import Part, run_roots
+from .loose import replicate_loose
 from .strategy import Strategy, register
 
 
@@ -31,6 +32,7 @@ class DdpStrategy(Strategy):
     def __init__(self, ddp_kwargs: dict):
         self.ddp_kwargs = dict(ddp_kwargs)
         self.module: nn.Module | None = None
+        self.loose = None  # an adopted module's paths that name tensors (`loose.py`)
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "DdpStrategy":
@@ -49,11 +51,14 @@ class DdpStrategy(Strategy):
                 broadcast_buffers(every)
                 if buffers:
                     root.register_forward_pre_hook(lambda mod, args, buffers=buffers: broadcast_buffers(buffers))
+        self.loose = replicate_loose(module)
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:
         for root in run_roots(self.module):
             root.set_requires_gradient_sync(enabled)
+        if self.loose is not None:
+            self.loose.syncing = enabled
 
 
 def units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:

@@ -23,6 +23,7 @@ from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
 from ..adopt.parts import Part, run_roots
 from .fsdp_settings import FsdpSettings
+from .loose import replicate_loose
 from .strategy import Strategy, register
 
 MODEL_SCOPE = "(model)"  # the key of the one plugin under `fsdp_scope: model`
@@ -101,7 +102,7 @@ class FsdpStrategy(Strategy):
                  compute: torch.dtype | None = None):
         self.module_name, self.settings, self.mesh, self.lazy_init = module_name, settings, mesh, lazy_init
         self.compute = compute  # the run's compute dtype (bf16: parameters gathered in bf16 unless set otherwise)
-        self.plugin = self.module = None
+        self.plugin = self.module = self.loose = None
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
@@ -111,6 +112,7 @@ class FsdpStrategy(Strategy):
     def apply(self, module: nn.Module, device: torch.device) -> None:
         self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
         shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init, mesh=self.mesh)
+        self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:
@@ -120,6 +122,8 @@ class FsdpStrategy(Strategy):
             unit.set_requires_gradient_sync(enabled)
             if not self.settings.reshard_after_backward:
                 unit.set_reshard_after_backward(enabled)
+        if self.loose is not None:
+            self.loose.syncing = enabled
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return full_state_dict(module) if is_sharded(module) else module.state_dict()
@@ -179,7 +183,8 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
 
 def shard_part(part: Part, kwargs: dict) -> None:
     """Each path of an adopted model's module is a root unit (unless in a unit already: a tied `lm_head`), its
-    carved-out descendants' parameters left to their own module."""
+    carved-out descendants' parameters left to their own module. Paths that name one tensor are no unit: they stay
+    whole on every rank (`loose.py`)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for root in part.omni_roots:

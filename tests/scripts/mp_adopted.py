@@ -5,6 +5,9 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
   unit inside the vision root, LoRA LLM under FSDP;
 - llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
 - paligemma: the same mapping and wrapping, its `lm_head` tied to the LLM's embeddings inside the llm module;
+- gemma3: its tied `lm_head` left out of the mapping (taken into the llm module), the LLM trained fully under FSDP;
+- blip2: the Q-Former module under FSDP with `query_tokens` (a parameter of the root model: kept whole on every rank)
+  and the projection, LoRA OPT under FSDP;
 - mixed: LLaVA rows with and without images, `group_by_modality: true`, 2 accumulation micro-steps;
 - each case saved at step 2 and resumed from there (another seed) at 2 ranks;
 - offline: Qwen2.5-VL's `get_image_features` (tower + merger, one frozen module) served from the offline cache
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from helpers import full_state, make_args
 from launching import end_distributed
-from released_models import BUILDERS, MODULES, Rows, collate
+from released_models import BUILDERS, BUILT, MODULES, TIED_OUTSIDE, Rows, collate
 
 from hf_omni import OmniModel, OmniTrainer
 from hf_omni.testing.reads import count_reads
@@ -48,6 +51,12 @@ CASES = {
     "paligemma": ("paligemma", {"vision": {"trainable": False, "parallel": "fsdp"},
                                 "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                                 "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
+    "gemma3": ("gemma3", {"vision": {"trainable": False, "parallel": "fsdp"},
+                          "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                          "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(mapping=TIED_OUTSIDE)),
+    "blip2": ("blip2", {"vision": {"trainable": False, "parallel": "fsdp"},
+                        "qformer": {"learning_rate": 1e-2, "parallel": "fsdp"},
+                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -83,7 +92,7 @@ def case_rows(family: str, model, extra: dict) -> Rows:
 def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: int, **overrides) -> OmniTrainer:
     extra_rows = extra
     extra = {k: v for k, v in extra.items() if k not in ROW_KEYS}
-    mapping = extra.pop("mapping", MODULES[family])
+    mapping = extra.pop("mapping", None) or MODULES[family]
     per_device = extra.pop("global_batch", 8) // world
     if extra.pop("offline", False):
         extra.update(offline_modules=["vision"], offline_cache_dir=os.path.join(out_dir, "cache"))
@@ -91,7 +100,7 @@ def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: i
         cls, folder = type(BUILDERS[family]()), released_folder(out_dir, family)
         model = OmniModel.from_model(cls, folder, modules=mapping, empty_init=True)
     else:
-        model = OmniModel.from_model(BUILDERS[family](), modules=mapping)
+        model = OmniModel.from_model(BUILT[family](), modules=mapping)
     rows = case_rows(family, model.released, extra_rows)
     args = make_args(out_dir, modules=modules, per_device_train_batch_size=per_device, max_grad_norm=1.0,
                      **extra, **overrides)
