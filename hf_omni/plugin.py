@@ -35,6 +35,7 @@ from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
 from .gradients import clip_grad_norms, fp16_scaler
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
+from .parallel.checkpointing import check_activation_checkpointing
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .parallel.fsdp import MODEL_SCOPE
 from .parallel.fsdp_settings import FsdpSettings
@@ -137,6 +138,9 @@ class OmniPlugin:
                                             "`ddp` or `fsdp`, or `trainable: false`")
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
+        for name, margs in self.module_args.items():  # a top-level lora may yet leave a module frozen: checked then
+            if margs.trainable and margs.activation_checkpointing and (not margs.lora or margs.lora_from_module):
+                check_activation_checkpointing(model.slots[name].module, name)
         check_offline_modules(model, list(self.args.offline_modules or []))
         return self.module_args
 

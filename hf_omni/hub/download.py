@@ -13,7 +13,7 @@ import os
 from ..compat import config_commit_hash
 from ..config import OmniConfig
 from ..modules.folder import MODULE_FILES
-from .ids import is_hub_id
+from .ids import cache_snapshot, is_hub_id
 
 
 def cached_commit(repo_id: str) -> str | None:
@@ -88,8 +88,14 @@ def linked_folders(root: str, config: OmniConfig, token=None, cache_dir=None) ->
 
 def hub_origin(module) -> dict:
     """A module loaded from the Hub: its repo (`_name_or_path`) and the commit it was loaded at (`_commit_hash`
-    where transformers still records it, else the commit the cache's ref names; none found: not a link)."""
+    where transformers still records it, else the commit the cache's ref names; none found: not a link). A module
+    loaded from a Hub cache snapshot (a composition repo's linked or per-module module, `download_composition`)
+    came from that repo at that snapshot's commit: without this, composing it again recorded only a local source
+    and a push uploaded a released module it could link."""
     path = getattr(module.config, "_name_or_path", "") or ""
+    snapshot = cache_snapshot(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
+    if snapshot is not None:
+        return {"hub_repo": snapshot[0], "hub_revision": snapshot[1]}
     if not path or not is_hub_id(path):
         return {}
     commit = config_commit_hash(module.config) or cached_commit(path)

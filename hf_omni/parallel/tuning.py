@@ -10,6 +10,7 @@ from torch import nn
 from ..compat import inject_lora
 from ..errors import OmniArgumentError
 from ..modules.lora import lora_config_of
+from .checkpointing import apply_activation_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +36,6 @@ def apply_lora(module: nn.Module, margs) -> bool:
                                 f"{margs.lora.get('target_modules')!r})")
     logger.info("hf_omni: the top-level lora matches no layer of module %r; it stays fully frozen", margs.name)
     return False
-
-
-def apply_activation_checkpointing(module: nn.Module, margs) -> None:
-    if not getattr(module, "supports_gradient_checkpointing", False):
-        raise OmniArgumentError(margs.name, "activation_checkpointing",
-                                f"{type(module).__name__} does not support activation checkpointing")
-    kwargs = {"use_reentrant": False, **(margs.activation_checkpointing_kwargs or {})}
-    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)  # as Trainer passes
-    module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers,
-                                           offload=offload)
 
 
 def check_supported(module: nn.Module, name: str) -> None:

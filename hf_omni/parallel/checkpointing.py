@@ -1,0 +1,76 @@
+"""`activation_checkpointing` of one module, through the released classes' own checkpointing (transformers' per-layer
+`activation_checkpointing_enable`).
+
+A composed module is one `PreTrainedModel`: its own. An adopted model's module (`adopt.parts.Part`) is a container
+of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel` supporting it (LLaVA's
+`model.language_model`), else the outermost such models inside the root, checkpoint their own layers; a root with
+none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module: its layers keep their own
+setting. Nothing to checkpoint in the whole module is refused, naming the module and key, before any compute.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..adopt.parts import Part
+from ..errors import OmniArgumentError
+
+_UNSET = object()
+_FLAGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _supports(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) and bool(getattr(module, "supports_gradient_checkpointing", False))
+
+
+def _outermost(module: nn.Module, skip: set[int]) -> list[nn.Module]:
+    if id(module) in skip:
+        return []
+    if _supports(module):
+        return [module]
+    return [found for child in module.children() for found in _outermost(child, skip)]
+
+
+def checkpointed_models(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """(model whose own checkpointing covers part of `module`, the carved-out submodules inside it), for each."""
+    if not isinstance(module, Part):
+        return [(module, [])] if getattr(module, "supports_gradient_checkpointing", False) else []
+    found = []
+    for root in module.omni_roots:
+        carved = [root.module.get_submodule(c) for c in root.carved]
+        for model in _outermost(root.module, {id(c) for c in carved}):
+            inside = {id(m) for m in model.modules()}
+            found.append((model, [c for c in carved if id(c) in inside]))
+    return found
+
+
+def check_activation_checkpointing(module: nn.Module, name: str) -> list[tuple[nn.Module, list[nn.Module]]]:
+    models = checkpointed_models(module)
+    if not models:
+        what = (f"none of its paths {[r.path for r in module.omni_roots]} is or holds a transformers model that "
+                "supports it (gradient checkpointing)") if isinstance(module, Part) else \
+            f"{type(module).__name__} does not support activation checkpointing"
+        raise OmniArgumentError(name, "activation_checkpointing", what)
+    return models
+
+
+def apply_activation_checkpointing(module: nn.Module, margs) -> None:
+    kwargs = {"use_reentrant": False, **(margs.activation_checkpointing_kwargs or {})}
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)  # as Trainer passes
+    for model, carved in check_activation_checkpointing(module, margs.name):
+        kept = [(m, {k: vars(m).get(k, _UNSET) for k in _FLAGS}) for c in carved for m in c.modules()
+                if hasattr(m, "gradient_checkpointing")]
+        try:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                                  every_n_layers=every_n_layers, offload=offload)
+        except ValueError as err:  # transformers: a model that has no checkpointed layer after all
+            raise OmniArgumentError(margs.name, "activation_checkpointing", str(err)) from None
+        for m, flags in kept:  # another module's layers: as they were
+            for key, value in flags.items():
+                if value is _UNSET:
+                    vars(m).pop(key, None)
+                else:
+                    setattr(m, key, value)
+
