@@ -35,7 +35,7 @@ from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
 from .gradients import clip_grad_norms, fp16_scaler
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
-from .parallel.checkpointing import check_activation_checkpointing
+from .parallel.checkpointing import check_checkpointed_modules
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .parallel.fsdp import MODEL_SCOPE
 from .parallel.fsdp_settings import FsdpSettings
@@ -65,9 +65,7 @@ class OmniPlugin:
         else:
             output_dir = output_dir or args.output_dir
         self.args = args
-        # where a frozen module built in memory is written once (frozen/<module>/): the Trainer's output_dir, or
-        # the one given here; OmniPlugin(modules=..., defaults=...) without one has none
-        self.output_dir = output_dir
+        self.output_dir = output_dir  # a frozen module built in memory is written once under it (frozen/<module>/)
         self.optimizer: ModuleOptimizers | None = None
         self.scheduler: ModuleSchedulers | None = None
         self.grad_norms: dict[str, torch.Tensor] = {}
@@ -138,9 +136,7 @@ class OmniPlugin:
                                             "`ddp` or `fsdp`, or `trainable: false`")
         if not any(m.trainable for m in self.module_args.values()):
             raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
-        for name, margs in self.module_args.items():  # a top-level lora may yet leave a module frozen: checked then
-            if margs.trainable and margs.activation_checkpointing and (not margs.lora or margs.lora_from_module):
-                check_activation_checkpointing(model.slots[name].module, name)
+        check_checkpointed_modules(model, self.module_args)
         check_offline_modules(model, list(self.args.offline_modules or []))
         return self.module_args
 

@@ -56,6 +56,14 @@ def check_activation_checkpointing(module: nn.Module, name: str) -> list[tuple[n
     return models
 
 
+def check_checkpointed_modules(model, module_args: dict) -> None:
+    """Before any compute: each trained module asking for it has something to checkpoint (a module whose LoRA comes
+    from the top level may yet be left frozen by it: checked when it is applied)."""
+    for name, margs in module_args.items():
+        if margs.trainable and margs.activation_checkpointing and (not margs.lora or margs.lora_from_module):
+            check_activation_checkpointing(model.slots[name].module, name)
+
+
 def apply_activation_checkpointing(module: nn.Module, margs) -> None:
     kwargs = {"use_reentrant": False, **(margs.activation_checkpointing_kwargs or {})}
     every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)  # as Trainer passes
