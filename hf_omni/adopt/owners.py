@@ -3,7 +3,7 @@
 A path names a submodule (its subtree, less the paths carved out of it) or one parameter or buffer (BLIP-2's
 `query_tokens`, held by the root model itself); a tensor's owner is the module of the longest path that holds it,
 by name. A tied tensor goes by several names, and each name needs an owner: a submodule outside every module whose
-tensors are all tied to one module's (Gemma3's `lm_head`, tied to the embeddings) is taken into that module, for
+tensors are all tied to one module's (Gemma3's `lm_head`, tied to the embeddings) is taken into that module:
 left outside, a sharded module's wrap would give the module its sharded copy and leave the outside holder the
 unsharded original (its tied head then no longer the trained embeddings).
 """
