@@ -2,7 +2,8 @@
 
 The buffers are pinned when a GPU is there; the copy stream starts after the optimizer step (an event recorded on
 the training stream when the save begins), so the copies overlap the next forward and backward instead of queueing
-behind them on the default stream. Without CUDA the same calls run with no stream, no event and no pinning: the path the CPU tests take.
+behind them on the default stream. Without CUDA the same calls run with no stream, no event and no pinning: the
+path the CPU tests take.
 """
 
 from __future__ import annotations
