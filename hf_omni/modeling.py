@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
+from .compat import config_name_or_path
 from .config import ModuleEntry, OmniConfig, module_folder
 from .dist import is_main
 from .hub.download import adopted_folder, download_composition, hub_origin, linked_folders
@@ -87,8 +88,7 @@ class OmniModel(PreTrainedModel):
                 raise ValueError(f"module {name!r} has a processor or source but is not a module: {list(modules)}")
         entries = []
         for name, module in modules.items():
-            source = sources.get(name)
-            path = getattr(module.config, "_name_or_path", "") or ""
+            source, path = sources.get(name), config_name_or_path(module.config)
             if source is None and path and os.path.isdir(path):
                 source = os.path.abspath(path)
             entries.append(ModuleEntry(name, class_record(original_class(module), name), name, source,

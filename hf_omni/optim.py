@@ -13,7 +13,7 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 from transformers.training_args import OptimizerNames
 
 from .arguments.module import ModuleArguments
-from .compat import decay_parameter_names, scaler_state
+from .compat import decay_parameter_names, scaler_state, scheduler_step_count, set_scheduler_step_count
 from .errors import OmniArgumentError
 from .gradients import share_found_inf
 
@@ -192,7 +192,7 @@ class ModuleSchedulers(torch.optim.lr_scheduler.LRScheduler):
         self.schedulers = dict(schedulers)
         self.optimizer = optimizer  # its `stepped`: a module whose step was skipped (fp16 overflow) keeps its rate
         self.stepped_lr: dict[str, float] = {}  # the rates the last optimizer step used
-        self._step_count = 1  # as torch's constructor leaves it (Accelerate counts skipped micro-steps on it)
+        set_scheduler_step_count(self, 1)  # as torch's constructor leaves it (Accelerate counts skipped micro-steps)
 
     def step(self, epoch=None):
         if epoch is not None:
@@ -202,7 +202,7 @@ class ModuleSchedulers(torch.optim.lr_scheduler.LRScheduler):
         for name, sched in self.schedulers.items():
             if stepped is None or name in stepped:
                 sched.step()
-        self._step_count += 1
+        set_scheduler_step_count(self, scheduler_step_count(self) + 1)
 
     def get_lr(self) -> list[float]:
         return self.get_last_lr()

@@ -12,7 +12,7 @@ For people who write their own Accelerate loop (OmniTrainer is a thin layer over
     plugin.save_state("ckpt"); plugin.load_state("ckpt")
 
 It resolves the arguments, hands each module to `parallel.driver` (tuning, wrapping), builds the optimizers
-(`optim`), clips, reports per-module figures, and delegates checkpoints to `checkpoint.ModuleCheckpointer`.
+(`optim`), clips, reports per-module figures, and delegates checkpoints to `checkpoint.checkpointer.ModuleCheckpointer`.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class OmniPlugin:
         logs.update(self.profile.logs())
         return logs
 
-    # -- checkpoints (see checkpoint.py) --------------------------------------------------------
+    # -- checkpoints (see checkpoint/) ----------------------------------------------------------
     def save_state(self, directory: str, step: int | None = None, write_marker: bool = True,
                    weights_only: bool = False) -> None:
         """Every rank: module folders (HF files + `state/` with DCP optimizer shards and the scheduler), the root

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..compat import copy_tied_weights_keys
 from .owners import check_owned, check_paths, normalise
 
 
@@ -93,7 +94,7 @@ def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
     parts = {}
     for name, paths in mapping.items():
         part = parts[name] = Part(name, getattr(model, "config", None))
-        part._tied_weights_keys = getattr(model, "_tied_weights_keys", None)  # the names are the released model's
+        copy_tied_weights_keys(model, part)  # the names are the released model's
         part.__dict__["omni_released"] = model  # not a child: whose key conversion its files follow
         part.omni_paths = list(paths)
         for path in paths:

@@ -83,7 +83,7 @@ class OmniTrainingArguments(TrainingArguments):
         self._validate()
 
     def _refuse_global_settings(self) -> None:
-        """Trainer's global engines and what hf_omni does not do (`trainer_fields.REFUSALS`), each naming the key to
+        """Trainer's global engines and what hf_omni does not do (`fields.REFUSALS`), each naming the key to
         use instead; read from the arguments as written, before TrainingArguments' post-init changes them."""
         for name, refusal in REFUSALS.items():
             if refusal.refused(self):

@@ -1,5 +1,6 @@
-"""The files of a per-module checkpoint: the completion marker, checks, rotation, and one module's optimizer and
-scheduler state. `checkpoint.ModuleCheckpointer` decides what is written when.
+"""The files of a per-module checkpoint: the completion marker, checks, rotation and the GradScaler's file (one
+module's optimizer and scheduler state: `module_state.py`). `checkpointer.ModuleCheckpointer` decides what is
+written when.
 
     <dir>/config.json                 root OmniConfig (module sources recorded)
     <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained

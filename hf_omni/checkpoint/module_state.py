@@ -65,7 +65,7 @@ def save_json(value, folder: str, name: str) -> None:
 def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, pipeline=None,
                        group=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
-    Async (`pipeline`, `save_pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
+    Async (`pipeline`, `pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
     optimizer step, into buffers it reuses from one save to the next; the write follows in the same thread, in the
     same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
     backend)."""

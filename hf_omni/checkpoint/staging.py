@@ -1,7 +1,9 @@
-"""Host copies of an async save: buffers reused from save to save (pinned when a GPU is there), filled on a copy
-stream of their own that starts after the optimizer step (an event recorded on the training stream when the save
-begins), so the copies overlap the next forward and backward instead of queueing behind them on the default
-stream. Without CUDA the same calls run with no stream, no event and no pinning: the path the CPU tests take.
+"""Host copies of an async save, in buffers reused from save to save, filled on a copy stream of their own.
+
+The buffers are pinned when a GPU is there; the copy stream starts after the optimizer step (an event recorded on
+the training stream when the save begins), so the copies overlap the next forward and backward instead of queueing
+behind them on the default stream. Without CUDA the same calls run with no stream, no event and no pinning: the
+path the CPU tests take.
 """
 
 from __future__ import annotations

@@ -68,6 +68,31 @@ def config_commit_hash(config) -> str | None:
     return getattr(config, "_commit_hash", None)
 
 
+def config_name_or_path(config) -> str:
+    """Where a config was loaded from (`_name_or_path`: a Hub id or a folder; "" when not recorded)."""
+    return getattr(config, "_name_or_path", "") or ""
+
+
+def keys_to_ignore_on_save(module: nn.Module) -> list[str]:
+    """The state-dict keys `save_pretrained` leaves out for this model class (`_keys_to_ignore_on_save`)."""
+    return getattr(module, "_keys_to_ignore_on_save", None) or []
+
+
+def copy_tied_weights_keys(source: nn.Module, target: nn.Module) -> None:
+    """Give `target` the tied-weight names of `source` (`_tied_weights_keys`; None when it has none)."""
+    target._tied_weights_keys = getattr(source, "_tied_weights_keys", None)
+
+
+def has_init_weights(module: nn.Module) -> bool:
+    """The model has its own initialisation of submodules (`_init_weights`, what `init_weights` calls)."""
+    return hasattr(module, "_init_weights")
+
+
+def gradient_checkpointing_attributes() -> tuple[str, ...]:
+    """The attributes `gradient_checkpointing_enable` sets on each checkpointed layer."""
+    return ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
 def init_weights(module: nn.Module, sub: nn.Module) -> None:
     """The model's own initialisation of one of its submodules."""
     resolve("transformers.PreTrainedModel._init_weights")

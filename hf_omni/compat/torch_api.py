@@ -74,3 +74,57 @@ def in_place_wrapper_classes() -> tuple[type, ...]:
     from torch.distributed.fsdp import FSDPModule
 
     return (FSDPModule, resolve("torch.distributed._composable.replicate.DDP"))
+
+
+def keeps_running_stats(module: nn.Module) -> bool:
+    """A batch / instance norm layer (torch's `_NormBase`) that updates running statistics in training."""
+    return isinstance(module, resolve("torch.nn.modules.batchnorm._NormBase")) and module.track_running_stats
+
+
+def tree_flatten(tree) -> tuple[list, object]:
+    """torch's pytree flattening (`torch.utils._pytree`): the leaves of nested dicts / lists / tuples and a spec."""
+    return resolve("torch.utils._pytree.tree_flatten")(tree)
+
+
+def tree_unflatten(leaves: list, spec):
+    """The nested structure `tree_flatten` read `spec` from, with `leaves` in place of its leaves."""
+    return resolve("torch.utils._pytree.tree_unflatten")(leaves, spec)
+
+
+def torch_dispatch_mode() -> type:
+    """torch's `TorchDispatchMode` base class: a subclass's `__torch_dispatch__` sees every ATen call made under it."""
+    return resolve("torch.utils._python_dispatch.TorchDispatchMode")
+
+
+def op_schema_name(func) -> str:
+    """An ATen operator overload's qualified name, namespace included (`_c10d_functional::all_reduce`)."""
+    resolve("torch.ops.aten.add.default._schema")
+    return func._schema.name
+
+
+def resolve_process_group(name: str):
+    """The process group a functional collective names by its string (`group_name`)."""
+    return resolve("torch.distributed.distributed_c10d._resolve_process_group")(name)
+
+
+def wrap_dcp_hf_read_request(wrap) -> None:
+    """Replace, for the rest of the process, DCP's HuggingFaceStorageReader per-request read (one tensor slice) by
+    `wrap(original)`, called as `original(self, f, req, planner)`."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    original = resolve("torch.distributed.checkpoint.hf_storage.HuggingFaceStorageReader._process_read_request")
+    HuggingFaceStorageReader._process_read_request = wrap(original)
+
+
+def scheduler_step_count(scheduler) -> int:
+    """torch's `LRScheduler._step_count`: 1 after its constructor, plus one a step (Accelerate counts skipped
+    micro-steps on it)."""
+    if not hasattr(scheduler, "_step_count"):
+        raise MissingInternalError("hf_omni relies on torch's LRScheduler keeping `_step_count`, which this "
+                                   "scheduler does not")
+    return scheduler._step_count
+
+
+def set_scheduler_step_count(scheduler, count: int) -> None:
+    """Set `LRScheduler._step_count` (a scheduler whose constructor did not run starts at 1, as torch's leaves it)."""
+    scheduler._step_count = count

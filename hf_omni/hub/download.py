@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..compat import config_commit_hash
+from ..compat import config_commit_hash, config_name_or_path
 from ..config import OmniConfig
 from ..modules.folder import MODULE_FILES
 from .ids import cache_snapshot, is_hub_id
@@ -92,7 +92,7 @@ def hub_origin(module) -> dict:
     loaded from a Hub cache snapshot (a composition repo's linked or per-module module, `download_composition`)
     came from that repo at that snapshot's commit: without this, composing it again recorded only a local source
     and a push uploaded a released module it could link."""
-    path = getattr(module.config, "_name_or_path", "") or ""
+    path = config_name_or_path(module.config)
     snapshot = cache_snapshot(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
     if snapshot is not None:
         return {"hub_repo": snapshot[0], "hub_revision": snapshot[1]}

@@ -1,6 +1,7 @@
-"""An adopted model on the Hub: one repo in the released model's own format, as its original was published (what
-`LlavaForConditionalGeneration.from_pretrained(repo)` loads), with `hf_omni.json` beside it (the `modules=` mapping:
-`OmniModel.from_pretrained(repo)` adopts it again). Per-module repos of an adopted model are not written: its
+"""An adopted model on the Hub: one repo in the released model's own format, as its original was published.
+
+`LlavaForConditionalGeneration.from_pretrained(repo)` loads it; `hf_omni.json` beside it (the `modules=` mapping)
+lets `OmniModel.from_pretrained(repo)` adopt it again. Per-module repos of an adopted model are not written: its
 modules are parts of one model, not models of their own.
 """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..compat import tied_weight_patterns, transformers_save_keys
+from ..compat import keys_to_ignore_on_save, tied_weight_patterns, transformers_save_keys
 from ..dtypes import SAFETENSORS
 from .classes import save_view
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
@@ -115,7 +115,7 @@ def weights_keys(module: nn.Module, state: dict) -> dict[str, torch.Tensor]:
     """What `save_pretrained` would write for `state` (tensors or meta stand-ins), by key, in its order."""
     view = save_view(module)
     base = base_state_dict(state)
-    for key in getattr(view, "_keys_to_ignore_on_save", None) or []:
+    for key in keys_to_ignore_on_save(view):
         base.pop(key, None)
     return transformers_save_keys(view, drop_tied_aliases(view, base))
 

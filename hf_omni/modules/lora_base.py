@@ -28,13 +28,12 @@ SEARCH_DEPTH = 4  # parents of a module folder searched for frozen/<name>/
 def has_fixed_base(module: nn.Module) -> bool:
     """A LoRA module whose base cannot change in training: every parameter that trains lives in the adapter file
     (LoRA matrices, DoRA magnitudes, `modules_to_save` copies), and no layer keeps running statistics."""
-    from torch.nn.modules.batchnorm import _NormBase
-
+    from ..compat import keeps_running_stats
     from .weights import ADAPTER, file_layout
 
     if lora_config_of(module) is None:
         return False
-    if any(isinstance(m, _NormBase) and m.track_running_stats for m in module.modules()):
+    if any(keeps_running_stats(m) for m in module.modules()):
         return False
     layout = file_layout(module)
     return all(layout.get(name, (None,))[0] == ADAPTER for name, p in module.named_parameters() if p.requires_grad)

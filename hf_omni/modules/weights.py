@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import nn
 
-from ..compat import init_lora_layer, init_weights, own_tensors, transformers_save_keys
+from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors, transformers_save_keys
 from .classes import original_class, save_view
 from .empty_init import materialize
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of
@@ -221,7 +221,7 @@ def _initialise(module: nn.Module, names: list[str]) -> None:
         sub = module.get_submodule(owner)
         if ".lora_" in f".{owner}.":
             continue
-        if hasattr(model, "_init_weights"):
+        if has_init_weights(model):
             init_weights(model, sub)
         else:
             raise ValueError(f"no stored value and no initialisation for {owner}")

@@ -38,8 +38,8 @@ def row_counts(spec, rows: list[dict]) -> list[int]:
     return [len(t) if t is not None and t.dim() > 1 else 1 for t in counts]
 
 
-def split_rows(spec, result, counts: list[int]) -> list[torch.Tensor]:
-    """Each row's items, concatenated along dim 0 (its sizes: `sizes_of`)."""
+def split_rows(spec, result, counts: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    """Each row's items, concatenated along dim 0, with each item's length along dim 0."""
     items = items_of(spec, result)
     if len(items) != sum(counts):
         raise ValueError(f"offline encoder {spec.method} (module {spec.module!r}) returned {len(items)} items for "

@@ -30,7 +30,7 @@ def every_rank_changes(changed: list[str], group) -> list[str]:
 
 class CachedRows(torch.utils.data.Dataset):
     """`source` rows with the encoders' inputs dropped and their cached outputs added (`caches`: spec ->
-    `offline_cache.Cache`). A row the module had no input for gets no output column (`forward` sees None)."""
+    `cache.Cache`). A row the module had no input for gets no output column (`forward` sees None)."""
 
     def __init__(self, source, caches: dict):
         self.caches = caches

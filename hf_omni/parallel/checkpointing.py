@@ -13,10 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 from ..adopt.parts import Part
+from ..compat import gradient_checkpointing_attributes
 from ..errors import OmniArgumentError
 
 _UNSET = object()
-_FLAGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_FLAGS = gradient_checkpointing_attributes()
 
 
 def _supports(module: nn.Module) -> bool:

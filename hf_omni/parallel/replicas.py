@@ -136,8 +136,7 @@ def load_once(state: dict, reader, what: str) -> None:
     loads the tensors it owns (DCP over its shard group; plain tensors on every replica) and sends them to the
     others; a module held whole by every rank (DDP) is read by rank 0, then broadcast."""
     import torch.distributed.checkpoint as dcp
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
+    from ..compat import tree_flatten, tree_unflatten
     from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
 
     leaves, spec = tree_flatten(state)

@@ -105,19 +105,20 @@ class ReceivedBytes:
 def _functional_counter(counter: ReceivedBytes):
     """A dispatch mode adding each `_c10d_functional` collective's received bytes to `counter`."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class FunctionalCollectives(TorchDispatchMode):
+    from ..compat import op_schema_name, resolve_process_group, torch_dispatch_mode
+
+    class FunctionalCollectives(torch_dispatch_mode()):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            name = func._schema.name
+            name = op_schema_name(func)
             if name.startswith("_c10d_functional::"):
                 op = name.split("::", 1)[1]
                 share = FUNCTIONAL.get(op)
                 if share is not None:
                     inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
                     nbytes = sum(t.numel() * t.element_size() for t in inputs if torch.is_tensor(t))
-                    group = _resolve_group(next(a for a in reversed(args) if isinstance(a, str)))
+                    group = resolve_process_group(next(a for a in reversed(args) if isinstance(a, str)))
                     if op == "broadcast" and torch.distributed.get_rank() == args[1]:
                         nbytes = 0
                     counter.add(f"functional.{op}", nbytes * share(group.size()))
@@ -125,8 +126,3 @@ def _functional_counter(counter: ReceivedBytes):
 
     return FunctionalCollectives()
 
-
-def _resolve_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)

@@ -16,9 +16,10 @@ import os
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_omni
+
+from ..compat import torch_dispatch_mode
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
@@ -61,7 +62,7 @@ def owner() -> str | None:
     return found
 
 
-class HostReads(TorchDispatchMode):
+class HostReads(torch_dispatch_mode()):
     """`with HostReads() as reads: ...`; then `reads.found`: `[(op, where)]` for every host read hf_omni's own code
     made inside the block (on this thread; autograd runs CPU backward on it too); `others`: how many reads other
     code made (Trainer's per-step `logging_nan_inf_filter` check, a model's own): the counter was armed."""

@@ -1,7 +1,9 @@
-"""A loopback stand-in for the subset of the Hugging Face Hub HTTP API that huggingface_hub uses for create_repo /
-create_branch / upload_folder / create_commit / snapshot_download / hf_hub_download / repo_info (and list_repo_refs,
-list_repo_tree, get_paths_info, file_exists). Used by hf_omni's tests and its quickstart notebook so that pushes and
-pulls run offline; never for real use: no auth, no LFS/Xet (every file is a "regular" base64 blob), all in memory.
+"""A loopback stand-in for the subset of the Hugging Face Hub HTTP API that huggingface_hub's calls use.
+
+The calls: create_repo / create_branch / upload_folder / create_commit / snapshot_download / hf_hub_download /
+repo_info (and list_repo_refs, list_repo_tree, get_paths_info, file_exists). Used by hf_omni's tests and its
+quickstart notebook so that pushes and pulls run offline; never for real use: no auth, no LFS/Xet (every file is a
+"regular" base64 blob), all in memory.
 
 The client reads its environment once, at import, so inside a process that may have imported it already (pytest)
 patch the module attributes it reads at call time, then HfApi(), snapshot_download, hf_hub_download and

@@ -9,22 +9,24 @@ def count_reads() -> dict:
     tensor slice) for the rest of the process; returns the counter, `{"bytes": n}`, that they add to."""
     import math
 
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-
+    from ..compat import wrap_dcp_hf_read_request
     from ..modules import weights
 
     counter = {"bytes": 0}
-    read, process = weights.SafetensorsIndex.read, HuggingFaceStorageReader._process_read_request
+    read = weights.SafetensorsIndex.read
 
     def counted_read(self, key, rows=None):
         out = read(self, key, rows)
         counter["bytes"] += out.numel() * out.element_size()
         return out
 
-    def counted_process(self, f, req, planner):
-        counter["bytes"] += math.prod(req.lengths) * planner.resolve_tensor(req).element_size()
-        return process(self, f, req, planner)
+    def counted(process):
+        def counted_process(self, f, req, planner):
+            counter["bytes"] += math.prod(req.lengths) * planner.resolve_tensor(req).element_size()
+            return process(self, f, req, planner)
+
+        return counted_process
 
     weights.SafetensorsIndex.read = counted_read
-    HuggingFaceStorageReader._process_read_request = counted_process
+    wrap_dcp_hf_read_request(counted)
     return counter
