@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group, is_main
-from .folder import export_dtype, write_metadata
+from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .lora_merge import full, merged_rows
 from .shard_rows import local_rows
