@@ -15,8 +15,8 @@ import argparse
 import os
 import shutil
 
-from .checkpoint import files as files
 from .checkpoint.files import check_complete
+from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
 from .config import OmniConfig, module_folder
 from .hub.ids import LAYOUTS
@@ -52,7 +52,7 @@ def push(folder: str, repo_id: str, hub_layout: str | None, private: bool, revis
     """Push an export, or a complete checkpoint (its sha256s checked when it recorded them)."""
     from .hub.push import push_saved
 
-    if os.path.exists(os.path.join(folder, files.MARKER)):
+    if os.path.exists(os.path.join(folder, MARKER)):
         check_complete(folder, verify=None)
     elif any(os.path.isdir(os.path.join(folder, n, STATE)) for n in os.listdir(folder)):
         raise ValueError(f"{folder} is a checkpoint without its completion marker (a save cut short): not pushed")

@@ -98,7 +98,7 @@ class OmniModel(PreTrainedModel):
     @classmethod
     def from_model(cls, model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> "OmniModel":
         """Adopt a released composite model as it is, `modules` mapping names to attribute paths (`hf_omni.adopt`)."""
-        from .adopt.model import from_model
+        from .adopt.model import from_model  # when called: AdoptedModel subclasses OmniModel (a genuine cycle)
         return from_model(model, pretrained, modules=modules, processor=processor, **kwargs)
 
     @property
@@ -202,7 +202,7 @@ class OmniModel(PreTrainedModel):
         root = str(pretrained_model_name_or_path)
         hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
         if adopted_folder(root, **hub):  # an adopted model, in its released format (a folder or a repo)
-            from .adopt.model import AdoptedModel
+            from .adopt.model import AdoptedModel  # when called: it subclasses OmniModel (a genuine cycle)
             return AdoptedModel.from_saved(root, **hub, **kwargs)
         if is_hub_id(root):  # a composition repo: its config, then exactly the module files it needs
             root, config, folders = download_composition(root, **hub)

@@ -93,7 +93,8 @@ def crafted(tmp_path, saved, prepare=None, **changes) -> str:
     marker listing every file: it looks like a complete checkpoint."""
     import shutil
 
-    from hf_omni.checkpoint.files import marker_info, write_marker
+    from hf_omni.checkpoint.files import marker_info
+    from hf_omni.checkpoint.marker import write_marker
 
     folder = tmp_path / "crafted"
     shutil.copytree(saved, folder)

@@ -9,7 +9,7 @@ from helpers import Captioner, assert_state_close, make_args, step_losses, tiny_
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
-from hf_omni.checkpoint.files import MARKER
+from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
 
 MODULES = {
@@ -208,7 +208,7 @@ def test_export_command_line(tmp_path):
 
 def test_resave_removes_the_old_marker_first(tmp_path):
     """A save into a folder that already holds a complete checkpoint makes it incomplete until it finishes."""
-    from hf_omni.checkpoint import files as checkpoint
+    from hf_omni.checkpoint import marker as checkpoint
 
     trainer, _ = run(tmp_path, steps=5)
     ckpt = str(tmp_path / "checkpoint-5")

@@ -200,7 +200,8 @@ def test_a_damaged_source_read_outside_a_checkpoint_names_itself(runs, tmp_path)
 
 def test_each_rank_parses_only_its_share_of_the_files(runs, tmp_path):
     """At resume file i of the marker's sorted list is checked by rank i mod world alone (the ranks then agree)."""
-    from hf_omni.checkpoint.files import check_complete, read_marker
+    from hf_omni.checkpoint.files import check_complete
+    from hf_omni.checkpoint.marker import read_marker
 
     run, checkpoint = damaged_copy(runs, tmp_path, "composed", SHARD, garble_header)
     index = sorted(read_marker(str(checkpoint))["files"]).index(SHARD)

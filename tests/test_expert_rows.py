@@ -13,7 +13,8 @@ from hf_omni.modules import weights
 from hf_omni.modules.empty_init import build_empty
 from hf_omni.modules.expert_rows import read_rows, row_layout
 from hf_omni.modules.folder_plan import plan_folder
-from hf_omni.modules.weights import SafetensorsIndex, fill_module, module_tensors
+from hf_omni.modules.tensor_layout import module_tensors
+from hf_omni.modules.weights import SafetensorsIndex, fill_module
 
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1)

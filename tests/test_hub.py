@@ -16,7 +16,7 @@ from released_models import MODULES as RELEASED_MODULES
 
 from hf_omni import OmniModel, OmniTrainer
 from hf_omni.checkpoint.files import check_complete
-from hf_omni.hub.push import HubPushError
+from hf_omni.hub.commit import HubPushError
 from hf_omni.modules.folder import module_files
 from hf_omni.testing import LoopbackHub
 from hf_omni.testing.digits import Captioner

@@ -12,7 +12,8 @@ from helpers import Captioner, make_args, tiny_data, tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
-from hf_omni.checkpoint.files import MARKER, check_complete, rotate
+from hf_omni.checkpoint.files import check_complete, rotate
+from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
 from hf_omni.modules.lora_base import has_fixed_base, weights_folder
 

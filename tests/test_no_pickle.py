@@ -14,7 +14,8 @@ from helpers import Captioner, full_state
 from no_pickle import Unpickled, no_unpickling
 from transformers import AutoModelForCausalLM, Trainer
 
-from hf_omni.checkpoint.files import MARKER, marker_info
+from hf_omni.checkpoint.files import marker_info
+from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
 
 PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # a protocol-2+ pickle; torch.save's zip

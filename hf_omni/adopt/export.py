@@ -37,7 +37,8 @@ def export_original(model, folder: str, is_main_process: bool, max_shard_size) -
     import torch
 
     from ..modules.folder_write import has_shards
-    from ..modules.weights import fill_module, module_tensors
+    from ..modules.tensor_layout import module_tensors
+    from ..modules.weights import fill_module
 
     offline = [slot for slot in model.slots.values() if slot.is_released]
     ids = {id(t) for slot in offline for t in module_tensors(slot.module).values()}

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from ..dist import agreed, broadcast_from_main, is_main
 from ..modules import folder_write
 from ..modules.lora_base import BASE_MARKER, FROZEN, find_base, read_base_marker
-from . import files
 from .digests import check_share, hash_checkpoint
+from .marker import MARKER, check_files, complete_checkpoints, file_sizes, read_marker, write_marker
 
 
 SHARED = "restore this file from a copy (every checkpoint of the run that refers to this base shares it)"
@@ -50,7 +50,7 @@ def write_base(slot, plan, output_dir: str, group, verify: bool) -> Base:
             os.makedirs(folder)
     with agreed(f"module {slot.name!r}: writing its LoRA base {folder}", group):  # every rank its own rows
         folder_write.write_module_folder(slot.module, folder, plan, dtypes=slot.export_dtypes)
-    sizes = broadcast_from_main(files.file_sizes(folder, BASE_MARKER) if is_main() else None, group)
+    sizes = broadcast_from_main(file_sizes(folder, BASE_MARKER) if is_main() else None, group)
     digests = None
     if verify:
         with agreed(f"hashing {folder}", group):
@@ -58,7 +58,7 @@ def write_base(slot, plan, output_dir: str, group, verify: bool) -> Base:
     base = Base(name, folder, sizes, digests)
     with agreed(f"writing {os.path.join(folder, BASE_MARKER)}", group):
         if is_main():
-            files.write_marker(folder, {"format": 1, "module": slot.name, **base.record()}, BASE_MARKER)
+            write_marker(folder, {"format": 1, "module": slot.name, **base.record()}, BASE_MARKER)
     return base
 
 
@@ -67,12 +67,12 @@ def recorded(directory: str, marker: dict) -> dict[str, Base]:
     or a base that is nowhere)."""
     bases = marker.get("bases", {})
     if not isinstance(bases, dict):
-        raise ValueError(f"checkpoint {directory}: {files.MARKER} has a malformed 'bases' record")
+        raise ValueError(f"checkpoint {directory}: {MARKER} has a malformed 'bases' record")
     out = {}
     for module, record in bases.items():
         if not isinstance(record, dict) or not isinstance(record.get("name"), str) or \
                 not isinstance(record.get("files"), dict):
-            raise ValueError(f"checkpoint {directory}: {files.MARKER} has a malformed record of module {module!r}'s "
+            raise ValueError(f"checkpoint {directory}: {MARKER} has a malformed record of module {module!r}'s "
                              "LoRA base")
         folder = find_base(directory, record["name"], record.get("folder"))
         out[module] = Base(record["name"], folder, record["files"], record.get("sha256"))
@@ -84,7 +84,7 @@ def check_bases(directory: str, marker: dict, verify: bool | None, share: tuple[
     rank's share of its sha256 pieces)."""
     for module, base in recorded(directory, marker).items():
         what = f"checkpoint {directory}: module {module!r}'s LoRA base {base.folder}"
-        files.check_files(base.folder, base.files, what, BASE_MARKER, share, advice=SHARED)
+        check_files(base.folder, base.files, what, BASE_MARKER, share, advice=SHARED)
         if verify or (verify is None and base.sha256):
             if not base.sha256:
                 raise ValueError(f"{what} has no sha256 of its files to verify (saved without verify_checkpoint)")
@@ -100,9 +100,9 @@ def remove_unreferenced(run_dir: str, in_use: tuple[str, ...] = ()) -> list[str]
     if not os.path.isdir(frozen):
         return []
     keep = {os.path.realpath(f) for f in in_use}
-    for checkpoint in files.complete_checkpoints(run_dir):
+    for checkpoint in complete_checkpoints(run_dir):
         try:
-            referred = recorded(checkpoint, files.read_marker(checkpoint)).values()
+            referred = recorded(checkpoint, read_marker(checkpoint)).values()
             keep.update(os.path.realpath(b.folder) for b in referred)
         except (OSError, ValueError):  # a checkpoint that lost its base keeps nothing
             continue

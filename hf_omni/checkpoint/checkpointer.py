@@ -23,7 +23,7 @@ from ..dist import agreed, broadcast_from_main, checkpoint_group, is_main
 from ..modules import folder_write
 from ..modules.folder import write_frozen_source
 from ..progress import each
-from . import files, module_state, resume
+from . import files, marker, module_state, resume
 from .bases import Base, write_base
 from .digests import hash_checkpoint
 from .pipeline import SavePipeline
@@ -65,10 +65,10 @@ class ModuleCheckpointer:
         with agreed(f"preparing {directory}", self.group):
             if is_main():
                 os.makedirs(directory, exist_ok=True)
-                stale = os.path.join(directory, files.MARKER)
+                stale = os.path.join(directory, marker.MARKER)
                 if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
                     os.remove(stale)
-                    files.fsync_dir(directory)
+                    marker.fsync_dir(directory)
                 for name in self.trainable:  # old shards would be read back beside the new ones
                     old = os.path.join(self.folder(directory, name), module_state.STATE)
                     if os.path.isdir(old):
@@ -136,12 +136,12 @@ class ModuleCheckpointer:
                 future.result()
         sizes = digests = None
         if self.verify:  # every rank hashes its share of the files, outside the agreement on the marker
-            sizes = broadcast_from_main(files.file_sizes(directory) if is_main() else None, self.group)
+            sizes = broadcast_from_main(marker.file_sizes(directory) if is_main() else None, self.group)
             with agreed(f"hashing {directory}", self.group):
                 digests = hash_checkpoint(directory, sizes, self.group)
-        with agreed(f"writing {os.path.join(directory, files.MARKER)}", self.group):
+        with agreed(f"writing {os.path.join(directory, marker.MARKER)}", self.group):
             if is_main():
-                files.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable, sizes,
+                marker.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable, sizes,
                                                                 digests, bases))
         if self.on_marked is not None and is_main():
             self.on_marked(directory)

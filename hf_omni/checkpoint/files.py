@@ -1,6 +1,7 @@
-"""The files of a per-module checkpoint: the completion marker, checks, rotation and the GradScaler's file (one
-module's optimizer and scheduler state: `module_state.py`). `checkpointer.ModuleCheckpointer` decides what is
-written when.
+"""The files of a per-module checkpoint: what the completion marker records, the check of a whole checkpoint (its
+LoRA bases included), rotation and the GradScaler's file (writing and reading the marker, listing and checking
+files: `marker.py`; one module's optimizer and scheduler state: `module_state.py`). `checkpointer.ModuleCheckpointer`
+decides what is written when.
 
     <dir>/config.json                 root OmniConfig (module sources recorded)
     <dir>/<module>/                   each module with trainable parameters, loadable as is with from_pretrained
@@ -23,58 +24,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from ..dist import world_size
 from ..errors import DamagedFileError
 from . import file_checks
+from .bases import check_bases, remove_unreferenced
+from .digests import check_share
+from .marker import MARKER, check_files, complete_checkpoints, file_sizes, fsync_dir, read_marker
 
-MARKER = "hf_omni_checkpoint.json"
 SCALER = "scaler.json"
 FORMAT = 2  # 1: module state through DCP's pickled `.metadata` (never loaded: see module_state.py)
-_STEP = re.compile(r"checkpoint-(\d+)$")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_marker(directory: str, info: dict, name: str = MARKER) -> None:
-    """Atomically (temp file + fsync + rename + fsync of the folder) mark `directory` as complete."""
-    tmp = os.path.join(directory, name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, name))
-    fsync_dir(directory)
-
-
-def listed_files(directory: str, marker: str = MARKER) -> list[str]:
-    """Every file under `directory` (relative paths), the marker excluded."""
-    out = []
-    for root, _, files in os.walk(directory):
-        for name in files:
-            rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel not in (marker, marker + ".tmp"):
-                out.append(rel)
-    return sorted(out)
-
-
-def read_json(path: str):
-    """A JSON file's value; None when there is no such file."""
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def read_marker(directory: str) -> dict | None:
-    return read_json(os.path.join(directory, MARKER))
 
 
 def check_complete(directory: str, verify: bool | None = False, share: tuple[int, int] = (0, 1)) -> dict:
@@ -99,54 +58,9 @@ def check_complete(directory: str, verify: bool | None = False, share: tuple[int
                          f"{FORMAT} (format 1 kept optimizer state in a pickle, which is never loaded)")
     check_files(directory, marker["files"], f"checkpoint {directory}", share=share)
     if verify or (verify is None and "sha256" in marker):
-        from .digests import check_share
-
         check_share(directory, marker["files"], marker.get("sha256") or {}, *share)
-    from .bases import check_bases
-
     check_bases(directory, marker, verify, share)
     return marker
-
-
-def check_files(directory: str, listed: dict[str, int], what: str, marker: str = MARKER,
-                share: tuple[int, int] = (0, 1), advice: str = file_checks.EARLIER) -> None:
-    """Every file `listed` (relative path -> size) under `directory` with its size and, for safetensors and JSON,
-    a header or content that parses (`file_checks`), and no other file there. `share` (rank, world): this rank
-    checks file i of the sorted list when i mod world == rank, and rank 0 lists the folder for files not listed,
-    so a resume checks each file once in all (the ranks then agree). A damaged file is a `DamagedFileError` naming
-    it and saying what to do (`advice`)."""
-    rank, world = share
-    if rank == 0:
-        extra = sorted(set(listed_files(directory, marker)) - set(listed))
-        if extra:
-            raise ValueError(f"{what}: file {extra[0]} is not listed in {MARKER} (added after the save?)")
-    for i, (rel, size) in enumerate(sorted(listed.items())):
-        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-            raise ValueError(f"{what}: {MARKER} lists a path outside it: {rel!r}")
-        if i % world != rank:
-            continue
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
-            raise DamagedFileError(path, f"{what}: file {rel} is missing; {advice}")
-        if os.path.getsize(path) != size:
-            raise DamagedFileError(path, f"{what}: file {rel} has {os.path.getsize(path)} bytes, {size} were "
-                                   f"written; {advice}")
-        found = None if os.path.islink(path) else file_checks.problem(path, size)  # a link is never read or copied
-        if found:
-            raise DamagedFileError(path, f"{what}: file {rel} {found}; {advice}")
-
-
-def complete_checkpoints(run_dir: str) -> list[str]:
-    """Checkpoints under `run_dir` that carry a marker, oldest step first."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = []
-    for name in os.listdir(run_dir):
-        match = _STEP.search(name)
-        path = os.path.join(run_dir, name)
-        if match and os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER)):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
 
 
 def newest_complete_checkpoint(run_dir: str) -> str | None:
@@ -173,8 +87,6 @@ def rotate(run_dir: str, limit: int | None, best: str | None = None, busy: tuple
         os.remove(os.path.join(path, MARKER))
         fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
-    from .bases import remove_unreferenced
-
     return deleted + remove_unreferenced(run_dir, bases)
 
 
@@ -191,10 +103,6 @@ def load_scaler(scaler, directory: str) -> None:
     if scaler is not None and os.path.isfile(path):
         with open(path) as f:
             scaler.load_state_dict(json.load(f))
-
-
-def file_sizes(directory: str, marker: str = MARKER) -> dict[str, int]:
-    return {rel: os.path.getsize(os.path.join(directory, rel)) for rel in listed_files(directory, marker)}
 
 
 def marker_info(directory: str, step: int | None, modules: list[str], resumable: bool = True,

@@ -23,7 +23,7 @@ AUTO_CLASSES = (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
 
 def read_summary(root: str) -> dict:
     """The run's summary beside `root/config.json`, or `{}` (an export saved without OmniTrainer)."""
-    from ..checkpoint.files import read_json
+    from ..checkpoint.marker import read_json
 
     path = os.path.join(root, SUMMARY)
     return read_json(path) if os.path.isfile(path) else {}

@@ -47,7 +47,7 @@ def scrubbed_record(path: str, rewritten: dict[str, bytes] | None = None) -> byt
 def checkpoint_bases(folder: str) -> dict[str, str]:
     """Base name -> its local folder, for each LoRA base a checkpoint's marker records (none for an export)."""
     from ..checkpoint.bases import recorded
-    from ..checkpoint.files import read_marker
+    from ..checkpoint.marker import read_marker
 
     marker = read_marker(folder) if os.path.isdir(folder) else None
     return {b.name: b.folder for b in recorded(folder, marker).values()} if isinstance(marker, dict) else {}
@@ -59,7 +59,7 @@ def folder_operations(folders: dict[str, str]) -> tuple[list, tuple[str, ...]]:
     must not keep another world size's shards)."""
     from huggingface_hub import CommitOperationAdd
 
-    from ..checkpoint.files import MARKER
+    from ..checkpoint.marker import MARKER
     from ..modules.folder import adapter_config_with_base
     from ..modules.lora import ADAPTER_CONFIG
     from ..modules.lora_base import BASE_MARKER, FROZEN, base_reference

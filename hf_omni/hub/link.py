@@ -55,7 +55,8 @@ def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision:
 def _difference(folder: str, origin: str, class_record: str, processor_kind: str | None, name: str) -> str | None:
     from ..modules.classes import resolve_module_class
     from ..modules.empty_init import build_empty
-    from ..modules.weights import SafetensorsIndex, file_layout, module_tensors
+    from ..modules.safetensors_index import SafetensorsIndex
+    from ..modules.tensor_layout import file_layout, module_tensors
 
     cls = resolve_module_class(class_record, name)
     mine, repo = SafetensorsIndex.for_weights(folder), SafetensorsIndex.for_weights(origin)

@@ -25,15 +25,12 @@ from ..modules.folder import adapter_config_with_base, module_paths
 from ..modules.lora_base import weights_folder
 from .cards import composition_card, module_card, read_summary
 from .checkpoint_push import folder_operations
+from .commit import commit
 from .ids import LAYOUTS
 from .link import rebuilds_from_origin
 from .released_push import push_released, released_files
 
 logger = logging.getLogger(__name__)
-
-
-class HubPushError(RuntimeError):
-    """A push to the Hub failed: names the module (or the composition) and the repo."""
 
 
 @dataclass
@@ -103,26 +100,6 @@ def module_operations(folder: str, prefix: str, card: str | None, own_repo: str 
             content = adapter_config_with_base(folder, own_repo)
         ops.append(CommitOperationAdd(f"{prefix}{n}", content))
     return ops + ([CommitOperationAdd(f"{prefix}README.md", card.encode())] if card is not None else [])
-
-
-def commit(api, repo_id: str, operations: list, message: str, what: str, token, private, revision,
-           managed=lambda path: path != ".gitattributes") -> str:
-    """One commit to `repo_id` (created if missing; `revision` a branch created from main if missing). Files a
-    previous push left under the paths this push manages (`managed(path)`) and does not write again are deleted in
-    the same commit: a stale adapter or shard must not load beside the new weights."""
-    from huggingface_hub import CommitOperationDelete
-
-    try:
-        api.create_repo(repo_id, token=token, private=private, exist_ok=True)
-        if revision not in (None, "main"):
-            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
-        added = {op.path_in_repo for op in operations}
-        existing = api.list_repo_files(repo_id, revision=revision, token=token)
-        operations = operations + [CommitOperationDelete(p) for p in existing if p not in added and managed(p)]
-        info = api.create_commit(repo_id, operations, commit_message=message, token=token, revision=revision)
-    except Exception as err:  # network, HTTP or file errors: one error naming what was pushed where
-        raise HubPushError(f"{what}: pushing to {repo_id} failed: {type(err).__name__}: {err}") from err
-    return info.oid
 
 
 def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: dict | None = None,

@@ -11,6 +11,9 @@ import json
 import os
 
 from ..config import ADOPTED_FILE, RELEASED_FOLDER, OmniConfig
+from ..modules.folder import module_paths
+from .checkpoint_push import folder_operations
+from .commit import commit
 
 
 def released_files(root: str) -> str | None:
@@ -55,10 +58,6 @@ def push_released(folder: str, repo_id: str, *, layout: str | None = None, token
     earlier push left at the top level (or in the checkpoint folders it writes) and this one does not write are
     deleted in it. Returns `{repo_id: commit}`."""
     from huggingface_hub import CommitOperationAdd, HfApi
-
-    from ..modules.folder import module_paths
-    from .checkpoint_push import folder_operations
-    from .push import commit
 
     check_released_layout(layout)
     ops = [CommitOperationAdd(name, path) for name, path in sorted(module_paths(folder).items())]

@@ -16,7 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .folder_plan import FolderPlan, weights_keys
+from .folder_plan import FolderPlan, plan_folder, weights_keys
+from .lora_base import weights_folder
+from .safetensors_index import SafetensorsIndex
+from .shard_rows import local_rows
+from .tensor_layout import module_tensors
 
 Placement = tuple[int, int] | torch.Tensor  # (first position, count) of a contiguous run, or every position
 
@@ -88,9 +92,6 @@ def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_nam
     """The tensors `names` transformers fuses on load (MoE experts), each rank its own rows, read row by row from
     the files of those rows alone (`expert_rows`); returns the names whose conversion is not row by row."""
     from ..parallel.replicas import read_once
-    from .folder_plan import plan_folder
-    from .lora_base import weights_folder
-    from .weights import SafetensorsIndex, local_rows, module_tensors
 
     plan, tensors = plan_folder(module), module_tensors(module)
     layouts = [(name, row_layout(module, plan, name)) for name in names]

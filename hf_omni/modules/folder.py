@@ -17,25 +17,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import PART_FILE
 from ..dist import agreed, checkpoint_group, is_main
 from .classes import original_class, save_view
+from . import folder_write
 from .empty_init import build_empty
+from .folder_metadata import record_original_class
+from .folder_plan import plan_folder
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
 from .lora_base import weights_folder
+from .lora_merge import row_merge_plan
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
-
-
-def record_original_class(folder: str, cls: type) -> None:
-    """`save_pretrained` of a wrapped module records the wrapper subclass; record the module's own class."""
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    if config.get("architectures") != [cls.__name__]:
-        config["architectures"] = [cls.__name__]
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
 
 
 def processor_kind(processor: Any) -> str:
@@ -141,60 +133,12 @@ def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = Fa
     return module
 
 
-def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:
-    """What transformers records as the module's dtype (its first floating parameter's), as exported."""
-    first = next(((n, p) for n, p in module.named_parameters() if p.is_floating_point()), None)
-    return None if first is None else dtypes.get(first[0], first[1].dtype)
-
-
-def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None, base: str | None = None
-                   ) -> None:
-    """Rank 0: the index, config.json (with the exported dtype), the generation config, the class record, the
-    adapter config (when the plan holds the adapter file) and the processor. `base`: the folder holds the adapter
-    alone, its base written apart (`lora_base`): no config of its own (transformers then loads the adapter's
-    `base_model_name_or_path`, as for any PEFT adapter folder)."""
-    from .folder_plan import INDEX
-
-    view = save_view(module)
-    if base is None and not hasattr(view, "can_generate"):  # a module of an adopted model: its paths, no class
-        with open(os.path.join(folder, PART_FILE), "w") as f:
-            json.dump({"paths": view.omni_paths}, f)
-    elif base is None:
-        config = view.config
-        config.architectures = [original_class(module).__name__]
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(folder)
-        if view.can_generate() and getattr(view, "generation_config", None) is not None:
-            view.generation_config.save_pretrained(folder)
-        record_original_class(folder, original_class(module))
-    if plan.index is not None:
-        with open(os.path.join(folder, INDEX), "w") as f:
-            f.write(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
-    lora = lora_config_of(module) if ADAPTER_WEIGHTS in plan.files else None
-    stale = (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if lora is None else ("config.json", "generation_config.json") \
-        if base is not None else ()
-    for name in stale:
-        if os.path.exists(os.path.join(folder, name)):
-            os.remove(os.path.join(folder, name))
-    if lora is not None:
-        lora.base_model_name_or_path = base
-        lora.save_pretrained(folder)
-        lora.base_model_name_or_path = None
-    if processor is not None:
-        processor.save_pretrained(folder)
-
-
 def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: bool = True,
                   max_shard_size: str | int = "50GB") -> None:
     """`slot`'s module as an HF folder. A module with sharded tensors: every rank calls this and writes its own
     rows in place (`merge_lora`: merged row by row, `lora_merge`; a LoRA that needs PEFT's own merge is gathered
     and merged on the main process); any other module: the main process writes it alone, as transformers'
     `save_pretrained` would."""
-    from .folder_plan import plan_folder
-    from .folder_write import has_shards, remove_weight_files, write_module_folder
-    from .lora_merge import row_merge_plan
-
     lora = lora_config_of(slot.module) is not None
     merge = row_merge_plan(slot.module) if merge_lora and lora else None
     if merge_lora and lora and merge is None:
@@ -203,18 +147,18 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
             save_merged(slot.module, folder, state, slot.processor, slot.export_dtype)
         return
     plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size, merged=merge is not None)
-    write = functools.partial(write_module_folder, slot.module, folder, plan, slot.processor,
+    write = functools.partial(folder_write.write_module_folder, slot.module, folder, plan, slot.processor,
                               dtypes=slot.export_dtypes, merge=merge)
-    if not has_shards(slot.module):
+    if not folder_write.has_shards(slot.module):
         if is_main_process:
             os.makedirs(folder, exist_ok=True)
-            remove_weight_files(folder)
+            folder_write.remove_weight_files(folder)
             write(solo=True)
         return
     with agreed(f"module {slot.name!r}: preparing {folder}", checkpoint_group()):
         if is_main():
             os.makedirs(folder, exist_ok=True)
-            remove_weight_files(folder)
+            folder_write.remove_weight_files(folder)
     with agreed(f"module {slot.name!r}: writing {folder}", checkpoint_group()):  # every rank its own rows
         write()
 
@@ -227,14 +171,11 @@ def write_frozen_source(slot, output_dir: str | None, group) -> None:
     if not output_dir:
         raise ValueError(f"module {slot.name!r} is frozen and was built in memory: saving it needs an output_dir "
                          "(args.output_dir, or OmniPlugin(output_dir=...))")
-    from .folder_plan import plan_folder
-    from .folder_write import remove_weight_files, write_module_folder
-
     folder = os.path.abspath(os.path.join(output_dir, "frozen", slot.name))
     with agreed(f"module {slot.name!r}: preparing {folder}", group):
         if is_main():
             os.makedirs(folder, exist_ok=True)
-            remove_weight_files(folder)
+            folder_write.remove_weight_files(folder)
     with agreed(f"module {slot.name!r}: writing {folder}", group):  # every rank its own rows
-        write_module_folder(slot.module, folder, plan_folder(slot.module), slot.processor)
+        folder_write.write_module_folder(slot.module, folder, plan_folder(slot.module), slot.processor)
     slot.record_source(folder)

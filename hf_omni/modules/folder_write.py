@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group, is_main
-from .folder import export_dtype, write_metadata
+from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .lora_merge import full, merged_rows
-from .weights import local_rows, module_tensors
+from .shard_rows import local_rows
+from .tensor_layout import module_tensors
 
 PIECE = 64 * 2**20  # bytes converted and written at a time
 SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank

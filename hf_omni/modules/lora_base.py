@@ -18,7 +18,9 @@ import os
 
 from torch import nn
 
+from .folder_plan import ADAPTER
 from .lora import ADAPTER_CONFIG, has_adapter, lora_config_of
+from .tensor_layout import file_layout
 
 BASE_MARKER = "hf_omni_base.json"
 FROZEN = "frozen"
@@ -29,7 +31,6 @@ def has_fixed_base(module: nn.Module) -> bool:
     """A LoRA module whose base cannot change in training: every parameter that trains lives in the adapter file
     (LoRA matrices, DoRA magnitudes, `modules_to_save` copies), and no layer keeps running statistics."""
     from ..compat import keeps_running_stats
-    from .weights import ADAPTER, file_layout
 
     if lora_config_of(module) is None:
         return False

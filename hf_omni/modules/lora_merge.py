@@ -92,7 +92,7 @@ def full(tensor) -> torch.Tensor:
 
 def rows_of(tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows [lo, hi) of a tensor from this rank's part of it (a dim-0 shard holding them, or the whole tensor)."""
-    from .weights import local_rows
+    from .shard_rows import local_rows
 
     first = (local_rows(tensor) or (0, 0))[0]
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor

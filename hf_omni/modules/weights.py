@@ -1,9 +1,9 @@
 """Reading a module's tensors back in place from its HF folder: every parameter and persistent buffer, a sharded
 one as this rank's rows only.
 
-Where each tensor lives in the folder (`file_layout`) is traced, not guessed: meta placeholders of the module's
-tensors go through exactly what a save applies (`folder_plan`) (LoRA keys split off, transformers' save-time key
-conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
+Where each tensor lives in the folder is traced, not guessed (`tensor_layout.file_layout`): meta placeholders of the
+module's tensors go through exactly what a save applies (`folder_plan`) (LoRA keys split off, transformers' save-time
+key conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
 is stored there as is. What the files do not hold as is (MoE experts that transformers splits on save, ...) a
 checkpoint keeps in its `state/` (`checkpoint.module_state`); a plain HF folder (`empty_init`, a frozen module's source)
 serves fused MoE experts row by row (`expert_rows`: each rank the files of its own experts) and anything else
@@ -20,77 +20,18 @@ import logging
 import torch
 from torch import nn
 
-from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors, transformers_save_keys
-from .classes import original_class, save_view
+from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors
+from .classes import original_class
 from .empty_init import materialize
-from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_key, base_state_dict, has_adapter, lora_config_of
+from .expert_rows import read_fused_rows
+from .folder_plan import ADAPTER
+from .lora import ADAPTER_WEIGHTS, base_key, has_adapter, lora_config_of
 from .lora_base import weights_folder
 from .safetensors_index import SafetensorsIndex
+from .shard_rows import copy_rows, local_rows
+from .tensor_layout import file_layout, module_tensors
 
 logger = logging.getLogger(__name__)
-WEIGHTS, ADAPTER = "weights", "adapter"
-
-
-def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a module's state is made of: its parameters (tied ones once) and persistent buffers."""
-    persistent = set(module.state_dict(keep_vars=True))
-    tensors = dict(module.named_parameters())
-    tensors.update((n, b) for n, b in module.named_buffers() if n in persistent)
-    return tensors
-
-
-def file_layout(module: nn.Module) -> dict[str, tuple[str, list[str]]]:
-    """Tensor name -> (WEIGHTS | ADAPTER, the keys it may be stored under) for each tensor a save writes as
-    is; a tied tensor has one key per name it goes by (transformers keeps one of them in the file)."""
-    persistent = set(module.state_dict(keep_vars=True))
-    owner, placeholders = {}, {}
-    for name, t in module_tensors(module).items():
-        owner[id(t)] = name
-    every = list(module.named_parameters(remove_duplicate=False)) + [
-        (n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in persistent]
-    made = {}
-    for name, t in every:
-        if id(t) not in made:
-            made[id(t)] = (torch.empty(tuple(t.shape), dtype=t.dtype, device="meta"), owner[id(t)])
-        placeholders[name] = made[id(t)][0]
-    canonical = {id(ph): name for ph, name in made.values()}
-    layout: dict[str, tuple[str, list[str]]] = {}
-    for key, t in transformers_save_keys(save_view(module), base_state_dict(placeholders)).items():
-        if id(t) in canonical:
-            layout.setdefault(canonical[id(t)], (WEIGHTS, []))[1].append(key)
-    if lora_config_of(module) is not None:
-        for key, t in adapter_state_dict(module, placeholders).items():
-            if id(t) in canonical:
-                entry = layout.get(canonical[id(t)])
-                if entry is None or entry[0] != ADAPTER:
-                    entry = layout[canonical[id(t)]] = (ADAPTER, [])
-                entry[1].append(key)
-    return layout
-
-
-def local_rows(tensor) -> tuple[int, int] | None:
-    """Rows [start, stop) of dim 0 this rank holds of a DTensor sharded on dim 0 (torch.chunk layout) over one
-    mesh dimension, replicated over any other (HSDP); None for a plain tensor."""
-    if not hasattr(tensor, "to_local"):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    sharded = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim == 0]
-    if len(sharded) != 1 or len(sharded) + sum(isinstance(p, Replicate) for p in tensor.placements) != \
-            len(tensor.placements):
-        raise NotImplementedError(f"hf_omni reads dim-0 shards (replicated elsewhere) only, got {tensor.placements}")
-    mesh = tensor.device_mesh
-    rank, world = mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
-    full = tensor.shape[0]
-    chunk = -(-full // world)
-    start = min(rank * chunk, full)
-    return start, min(start + chunk, full)
-
-
-def copy_rows(tensor: torch.Tensor, full_or_rows) -> None:
-    """Copy a value into `tensor` in place (a sharded tensor: into its local shard), casting to its dtype."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    local.copy_(full_or_rows.to(local.dtype))
 
 
 def _castable(saved: torch.dtype | None, ours: torch.dtype) -> bool:
@@ -186,8 +127,6 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
     if unmapped:
-        from .expert_rows import read_fused_rows
-
         unmapped = read_fused_rows(module, folder, unmapped, module_name)
         missing = [n for n in missing if n in layout] + (read_through_transformers(module, folder, unmapped,
                                                                                    module_name) if unmapped else [])

@@ -136,7 +136,7 @@ class Cache:
 
 def read_manifest(folder: str) -> dict | None:
     """A cache's manifest; None when absent or unreadable (then the cache is not valid and is recomputed)."""
-    from ..checkpoint.files import read_json
+    from ..checkpoint.marker import read_json
 
     try:
         manifest = read_json(os.path.join(folder, MANIFEST))

@@ -17,7 +17,9 @@ import torch
 from checkpoint_scenario import make_trainer
 from transformers import TrainerState
 
+import hf_omni.checkpoint.bases as bases
 import hf_omni.checkpoint.files as files
+import hf_omni.checkpoint.marker as marker
 import hf_omni.checkpoint.module_state as module_state
 import hf_omni.checkpoint.pipeline as save_pipeline
 import hf_omni.checkpoint.shard_writer as shard_writer
@@ -113,13 +115,13 @@ def in_writer_thread_of_ckpt10():
 def marker_tmp_then_kill():
     def write_marker(directory, info, *name):
         if "checkpoint-10" in directory:
-            with open(os.path.join(directory, files.MARKER + ".tmp"), "w") as f:
+            with open(os.path.join(directory, marker.MARKER + ".tmp"), "w") as f:
                 f.write('{"partial": ')
             die()
         return original(directory, info, *name)
 
-    original = files.write_marker
-    files.write_marker = write_marker
+    original = marker.write_marker
+    marker.write_marker = write_marker
 
 
 POINTS = {
@@ -137,12 +139,12 @@ POINTS = {
     "rng": (lambda: kill_on_call(OmniTrainer, "_save_rng_state", at_ckpt10), {}),
     "trainer_state": (lambda: kill_on_call(TrainerState, "save_to_json", at_ckpt10), {}),
     "marker_temp_file": (marker_tmp_then_kill, {}),
-    "marker_renamed": (lambda: kill_on_call(files, "write_marker", at_ckpt10, before=False), {}),
+    "marker_renamed": (lambda: kill_on_call(marker, "write_marker", at_ckpt10, before=False), {}),
     "rotation": (rotation_cut_short, {}),
     "frozen_source_first_save": (
         lambda: kill_on_call(module_io, "write_module_folder", lambda c, a: "frozen" in str(a)), {}),
     # the LoRA base (written once, at the first save): its files written, its marker not yet
-    "lora_base_before_marker": (lambda: kill_on_call(files, "write_marker", lambda c, a: "frozen" in str(a[0])), {}),
+    "lora_base_before_marker": (lambda: kill_on_call(bases, "write_marker", lambda c, a: "frozen" in str(a[0])), {}),
     "async_in_flight": (lambda: kill_on_call(module_io.Files, "write",  # in the writer thread
                                              lambda call, args: "checkpoint-10" in args[0].folder),
                         {"save_async": True}),
@@ -150,7 +152,7 @@ POINTS = {
     "async_shards_in_flight": (lambda: kill_on_call(shard_writer.ShardWriter, "write_data",
                                                     lambda call, args: "checkpoint-10" in str(args[0].path)),
                                {"save_async": True}),
-    "async_before_marker": (lambda: kill_on_call(files, "write_marker", at_ckpt10), {"save_async": True}),
+    "async_before_marker": (lambda: kill_on_call(marker, "write_marker", at_ckpt10), {"save_async": True}),
 }
 
 
@@ -192,9 +194,9 @@ def main(out_dir: str):
             make_trainer(run, **extra).train()
 
         killed_code = in_child(killed)
-        complete = [os.path.basename(p) for p in files.complete_checkpoints(run)]
+        complete = [os.path.basename(p) for p in marker.complete_checkpoints(run)]
         checked = []
-        for path in files.complete_checkpoints(run):  # a marker never stands beside missing or partial files
+        for path in marker.complete_checkpoints(run):  # a marker never stands beside missing or partial files
             files.check_complete(path)
             checked.append(os.path.basename(path))
 
