@@ -3,7 +3,8 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 
 - qwen2_5_vl: vision frozen under FSDP, its carved-out projector (`model.visual.merger`) trained under its own FSDP
   unit inside the vision root, LoRA LLM under FSDP;
-- llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP; exported at 2 ranks;
+- llava: vision frozen under FSDP, projector under DDP, LoRA LLM under FSDP with activation checkpointing (its
+  release's own; equal to without at one process: test_adopted_checkpointing.py); exported at 2 ranks;
 - paligemma: the same mapping and wrapping, its `lm_head` tied to the LLM's embeddings inside the llm module;
 - gemma3: its tied `lm_head` left out of the mapping (taken into the llm module), the LLM trained fully under FSDP;
 - blip2: the Q-Former module under FSDP with `query_tokens` (a parameter of the root model: kept whole on every rank)
@@ -40,7 +41,8 @@ CASES = {
                                   "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
     "llava": ("llava", {"vision": {"trainable": False, "parallel": "fsdp"},
                         "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
-                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
+                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp",
+                                "activation_checkpointing": True}}, {}),
     "mixed": ("llava", {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                         "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}},
               dict(group_by_modality=True, gradient_accumulation_steps=2, global_batch=4, text_only_every=3)),
