@@ -9,6 +9,7 @@ import os
 import huggingface_hub
 import pytest
 import torch
+import transformers.utils.hub
 import yaml
 from helpers import make_args, tiny_data, tiny_model
 from released_models import BUILDERS, Rows, collate
@@ -33,6 +34,7 @@ def hub(tmp_path_factory):
         for name, value in server.client_constants(str(cache)).items():
             mp.setattr(huggingface_hub.constants, name, value)
         mp.delenv("HF_TOKEN", raising=False)
+        mp.setattr(transformers.utils.hub, "_hf_api", None)  # Trainer's shared HfApi keeps the endpoint it was made at
         yield server
 
 
