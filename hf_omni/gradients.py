@@ -86,16 +86,12 @@ def share_found_inf(scaler, optimizers: list[torch.optim.Optimizer]) -> torch.Te
 
 
 def fp16_scaler(accelerator, slots: dict):
-    """The Accelerator's GradScaler (fp16; None otherwise), shared by every module. Refused with an FSDP module kept
-    on the CPU (`cpu_offload`): torch's GradScaler reduces a sharded gradient's found-inf over its mesh, whose
-    group is the accelerator's, and that module's found-inf is a CPU tensor."""
-    from .errors import OmniArgumentError
-
+    """The Accelerator's GradScaler (fp16; None otherwise), shared by every module. Each module's strategy refuses
+    settings it cannot serve (an FSDP module kept on the CPU: torch's GradScaler reduces a sharded gradient's
+    found-inf over its mesh, whose group is the accelerator's, and that module's found-inf is a CPU tensor)."""
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None and scaler.is_enabled():
         for name, slot in slots.items():
-            if slot.kind == "fsdp" and slot.args is not None and slot.args.fsdp_settings().cpu_offload:
-                raise OmniArgumentError(name, "fsdp_plugin.cpu_offload", "fp16 with an offloaded FSDP module: "
-                                        "torch's GradScaler reduces its CPU found-inf over the accelerator's group; "
-                                        "use bf16 (no loss scaling) or keep the module on the device")
+            if slot.strategy is not None:
+                type(slot.strategy).check_fp16(name, slot.strategy.settings)
     return scaler

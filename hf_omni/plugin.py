@@ -37,8 +37,6 @@ from .gradients import clip_grad_norms, fp16_scaler
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.checkpointing import check_checkpointed_modules
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
-from .parallel.fsdp import MODEL_SCOPE
-from .parallel.fsdp_settings import FsdpSettings
 from .profile import ModuleProfile
 
 
@@ -111,14 +109,13 @@ class OmniPlugin:
 
     @property
     def fsdp_plugins(self) -> dict:
-        fsdp = [(name, slot.strategy) for name, slot in self._slots().items() if slot.kind == "fsdp"]
-        return {MODEL_SCOPE if s.module_name == MODEL_SCOPE else name: s.plugin for name, s in fsdp}
+        return {slot.strategy.key: slot.strategy.plugin for slot in self._slots().values() if slot.kind == "fsdp"}
 
     @property
     def meshes(self) -> dict:
-        """Module -> its `DeviceMesh` (`parallel: fsdp` modules; shared between modules of one shape)."""
-        fsdp = [(name, slot.strategy) for name, slot in self._slots().items() if slot.kind == "fsdp"]
-        return {MODEL_SCOPE if s.module_name == MODEL_SCOPE else name: s.mesh for name, s in fsdp if s.mesh}
+        """Module -> its `DeviceMesh` (modules whose strategy takes one; shared between modules of one shape)."""
+        return {slot.strategy.key: slot.strategy.mesh for slot in self._slots().values()
+                if slot.strategy is not None and slot.strategy.mesh is not None}
 
     def resolve(self, model: nn.Module) -> dict[str, ModuleArguments]:
         """Resolve every module's settings against `model` (unknown / missing modules are errors)."""
@@ -126,7 +123,7 @@ class OmniPlugin:
             raise TypeError(f"OmniPlugin prepares an OmniModel, got {type(model).__name__}")
         check_ownership(model)
         for name, margs in self.args.resolve_modules(model.module_names).items():
-            model.slots[name].args = margs
+            model.slots[name].args, model.slots[name].settings = margs, margs.strategy_settings()
         self.model = model
         if has_process_group() and self.args.fsdp_scope == "module":
             for name, margs in self.module_args.items():
@@ -172,10 +169,9 @@ class OmniPlugin:
         if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
-        model_fsdp = FsdpSettings.from_dict(None, dict(self.args.fsdp_plugin or {}))
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,
-                                                         model_fsdp=model_fsdp)
+                                                         model_settings=self.args.fsdp_plugin)
         self.checkpointer = ModuleCheckpointer(model, self.output_dir, self.args.save_async,
                                                verify=self.args.verify_checkpoint,
                                                show_progress=not self.args.disable_tqdm,

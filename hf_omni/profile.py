@@ -35,7 +35,7 @@ import time
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
-from .adopt.parts import run_roots
+from .modules.units import run_roots
 from .compat import queue_backward_callback
 
 

@@ -135,3 +135,10 @@ def test_each_allowed_circle_is_still_one(allowed):
     """An allowed circle that is gone is taken off the list."""
     assert allowed in circles(import_graph())
 
+
+
+def test_parallel_imports_neither_adopt_nor_hub():
+    """A strategy knows modules through `modules.units` (roots, loose tensors), never the adopted model or the Hub."""
+    found = sorted((src, dst) for src, dsts in import_graph().items() if src.startswith("hf_omni/parallel/")
+                   for dst in dsts if dst.startswith(("hf_omni/adopt/", "hf_omni/hub/")))
+    assert not found, found

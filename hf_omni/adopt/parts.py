@@ -13,22 +13,21 @@ through to its released holder's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
 from ..compat import copy_tied_weights_keys
+from ..modules.units import Root, RootedModule
 from .owners import check_owned, check_paths, normalise
 
 
-class Part(nn.Module):
+class Part(RootedModule):
     """One module of an adopted model. It is never called: the released model's `forward` runs its submodules."""
 
     def __init__(self, name: str, config=None):
         super().__init__()
         self.omni_name = name
-        self.omni_roots: list[Root] = []  # its paths that name submodules
-        self.omni_tensors: list[Loose] = []  # ... and those that name one parameter or buffer
         self.omni_paths: list[str] = []  # all of them, in the mapping's order
         self.config = config  # the released model's (its `use_cache`, quantisation, ...)
 
@@ -67,23 +66,6 @@ class Shell(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a Shell only lists a submodule's tensors; the submodule itself runs")
-
-
-@dataclass
-class Root:
-    """A path of a module: the released submodule there (what a strategy wraps) and the parameters under it that
-    belong to carved-out modules (a wrap leaves them to theirs)."""
-
-    path: str
-    module: nn.Module
-    carved: list[str] = field(default_factory=list)  # paths, relative to this one
-
-    @property
-    def depth(self) -> int:
-        return self.path.count(".") + 1
-
-    def carved_params(self) -> set:
-        return {p for c in self.carved for p in self.module.get_submodule(c).parameters()}
 
 
 def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
@@ -167,11 +149,6 @@ class Loose:
     @property
     def tensor(self):
         return self.holder._parameters.get(self.attr, self.holder._buffers.get(self.attr))
-
-
-def run_roots(module: nn.Module) -> list[nn.Module]:
-    """What runs of a module: a Part's released submodules, or the module itself."""
-    return [r.module for r in module.omni_roots] if isinstance(module, Part) else [module]
 
 
 def sync_into(model: nn.Module, parts: dict[str, Part]) -> None:

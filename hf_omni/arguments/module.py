@@ -3,7 +3,7 @@
 Each key is a dataclass field whose metadata carries its types, nullability, bounds, choices and help, as
 Accelerate's plugin dataclasses do; `MODULE_KEYS`, the validation of an overlay, the merge of an overlay over the
 top-level defaults and the key tables of docs/configuration.md are all derived from these fields (the
-`fsdp_plugin` keys: `parallel.fsdp_settings.FsdpSettings`, declared the same way).
+settings of each strategy, `fsdp_plugin`: its `Strategy.settings_class`, declared the same way).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from ..config import repo_id_error
 from ..errors import OmniArgumentError
 from ..keys import NUMBER, check_field, declared, default_of, key
 from ..modules.precision import MASTER_DTYPES
-from ..parallel import strategy_names
-from ..parallel.fsdp_settings import FsdpSettings
+from ..parallel.strategy import STRATEGIES, Strategy, check_settings, settings_tables, strategy_names
 from ..parallel.mesh import check_parallelism
 
 
@@ -60,7 +59,7 @@ def _check_lora(module: str | None, lora: dict) -> None:
 
 
 def _check_fsdp(module: str | None, settings: dict) -> None:
-    FsdpSettings.check_overlay(module, settings)
+    check_settings(module, "fsdp_plugin", settings)
 
 
 def _check_repo_id(module: str | None, repo_id: str) -> None:
@@ -95,7 +94,8 @@ class ModuleArguments:
                                          top_level="module_activation_checkpointing")
     activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "
                                                 "use_reentrant: false)", nullable=True)
-    parallel: str = key("ddp", (str,), "`fsdp`, `ddp` or `none`: how the module is wrapped under a process group",
+    parallel: str = key("ddp", (str,), "`fsdp`, `ddp`, `none` or a registered strategy: how the module is wrapped "
+                        "under a process group",
                         choices=strategy_names)
     fsdp_plugin: dict = key({}, (dict,), "FsdpSettings for a `parallel: fsdp` module (merged key by key)",
                             nullable=True, check=_check_fsdp)
@@ -141,8 +141,16 @@ class ModuleArguments:
                 kwargs[name] = getattr(self, f"ddp_{name}")
         return kwargs
 
-    def fsdp_settings(self) -> FsdpSettings:
-        return FsdpSettings.from_dict(self.name, self.fsdp_plugin or {})
+    @property
+    def strategy(self) -> type[Strategy]:
+        """The class of its `parallel` strategy."""
+        return STRATEGIES[self.parallel]
+
+    def strategy_settings(self, strategy: type[Strategy] | None = None):
+        """The typed settings of its strategy (or of `strategy`) from their key here, parsed; None without any."""
+        strategy = strategy or self.strategy
+        values = getattr(self, strategy.settings_key) if strategy.settings_key else None
+        return strategy.parse_settings(self.name, values)
 
 
 MODULE_FIELDS = declared(ModuleArguments)
@@ -167,7 +175,4 @@ def key_table() -> str:
         top = f.metadata["top_level"]
         source = "per-module only" if top is None else ("`activation_checkpointing`" if top != "same" else f"`{name}`")
         rows.append(f"| `{name}` | `{default_of(f)!r}` | {source} | {f.metadata['help']} |")
-    rows += ["", "| `fsdp_plugin` key | default | what it does |", "|---|---|---|"]
-    for name, f in declared(FsdpSettings).items():
-        rows.append(f"| `{name}` | `{default_of(f)!r}` | {f.metadata['help']} |")
-    return "\n".join(rows)
+    return "\n".join(rows + settings_tables())

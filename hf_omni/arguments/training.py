@@ -21,7 +21,8 @@ from ..errors import OmniArgumentError
 from ..hub.ids import LAYOUTS
 from ..keys import as_number, check_type, merge_overlay
 from .fields import COMPILE, REFUSALS
-from .module import MODULE_FIELDS, MODULE_KEYS, FsdpSettings, ModuleArguments, check_module_key, field_help
+from ..parallel.strategy import STRATEGIES, check_settings
+from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_key, field_help
 
 FSDP_SCOPES = ("module", "model")
 GRAD_CLIP_SCOPES = ("per_module", "global")
@@ -132,10 +133,11 @@ class OmniTrainingArguments(TrainingArguments):
             if self.grad_clip_scope == "global" and "max_grad_norm" in overlay:
                 raise OmniArgumentError(name, "max_grad_norm", "grad_clip_scope is global: all modules clip to the "
                                         "top-level max_grad_norm")
-            if overlay.get("fsdp_plugin"):  # merged with the top level, the settings must still agree
-                FsdpSettings.check_overlay(name, merge_overlay(self.fsdp_plugin or {}, overlay["fsdp_plugin"]))
+            for key in {cls.settings_key for cls in STRATEGIES.values() if cls.settings_key}:
+                if overlay.get(key):  # a strategy's settings merged with the top level must still agree
+                    check_settings(name, key, merge_overlay(getattr(self, key, None) or {}, overlay[key]))
             if "parallelism" in overlay and overlay["parallelism"] is not None and \
-                    overlay.get("parallel", self.parallel) != "fsdp":
+                    not STRATEGIES[overlay.get("parallel", self.parallel)].takes_mesh:
                 raise OmniArgumentError(name, "parallelism", "sets a mesh for `parallel: fsdp` modules; this one is "
                                         f"`parallel: {overlay.get('parallel', self.parallel)}`")
             if self.fsdp_scope == "model":
@@ -173,12 +175,15 @@ class OmniTrainingArguments(TrainingArguments):
                 values[key] = values[key] or {}
             values["max_grad_norm"] = values["max_grad_norm"] or 0.0
             values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id", "offline_encoder")})
+            if self.fsdp_scope == "model":  # the composed model is wrapped once, every module inside it
+                values["parallel"] = "fsdp"
             trainable = overlay.get("trainable", True)
             if not trainable:
                 values["lora"] = None
             margs = ModuleArguments(name=name, trainable=trainable, lora_from_module=overlay.get("lora") is not None,
                                     parallel_from_module="parallel" in overlay, **values)
-            margs.fsdp_settings()  # settings merged from several levels must agree (e.g. min_num_params + classes)
+            for cls in STRATEGIES.values():  # settings merged from several levels must agree (min_num_params + classes)
+                margs.strategy_settings(cls)
             resolved[name] = margs
         return resolved
 

@@ -54,15 +54,9 @@ def run_compute_dtype(accelerator) -> torch.dtype | None:
     return LOW.get(str(getattr(accelerator, "mixed_precision", "no") or "no"))
 
 
-def module_compute_dtype(margs, run_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The module's own `fsdp_plugin.mixed_precision` (its parameter dtype) where set, else the run's."""
-    setting = margs.fsdp_settings().mixed_precision
-    if setting == "no":
-        return run_dtype
-    if isinstance(setting, dict):
-        param = setting.get("param_dtype")
-        return getattr(torch, param) if param and param != "float32" else run_dtype
-    return LOW.get(setting, run_dtype) if setting else run_dtype
+def module_compute_dtype(slot, run_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the module's strategy computes in under its settings (FSDP's `mixed_precision`), else the run's."""
+    return slot.args.strategy.compute_dtype(slot.settings, run_dtype)
 
 
 def resolve_master(choice: str, compute: torch.dtype | None) -> torch.dtype | None:
@@ -80,7 +74,7 @@ def apply_master_dtype(slot, run_dtype: torch.dtype | None) -> Precision:
     meta device too), with the floating persistent buffers of the layers that own them (BatchNorm's running
     statistics must match its weight), recording what each was loaded in. Frozen modules are left as they are."""
     margs, module = slot.args, slot.module
-    compute = module_compute_dtype(margs, run_dtype)
+    compute = module_compute_dtype(slot, run_dtype)
     if not slot.trains:
         return Precision(compute=compute)
     master = resolve_master(margs.master_dtype, compute)

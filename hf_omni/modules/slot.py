@@ -16,11 +16,17 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from ..config import ModuleEntry
+from .precision import Precision
+
+if TYPE_CHECKING:  # annotations only: the slot holds them, the layers above build them
+    from ..arguments.module import ModuleArguments
+    from ..offline.spec import OfflineEncoder
+    from ..parallel.strategy import Strategy
 
 
 class Stage(enum.Enum):
@@ -41,14 +47,15 @@ class ModuleSlot:
 
     entry: ModuleEntry
     module: nn.Module
-    processor: Any = None
+    processor: object | None = None  # its tokenizer / processor, saved beside it
     stage: Stage = Stage.BUILT
     weights: str | None = None  # PENDING: the folder its weights are read from
-    args: Any = None  # its resolved `ModuleArguments` (set by the plugin)
+    args: "ModuleArguments | None" = None  # its resolved arguments (set by the plugin, never changed after)
+    settings: object | None = None  # its strategy's typed settings, parsed once from `args` (None: it has none)
     trains: bool = False  # set when prepared: something in it still requires grad after freezing and LoRA
-    strategy: Any = None  # WRAPPED: its `parallel.strategy.Strategy` (none, ddp, fsdp)
-    encoder: Any = None  # `offline_modules`: its `@offline_encoder` spec
-    precision: Any = None  # when prepared: its `modules.precision.Precision` (master / compute / loaded dtypes)
+    strategy: "Strategy | None" = None  # WRAPPED: its strategy (none, ddp, fsdp, a registered one)
+    encoder: "OfflineEncoder | None" = None  # `offline_modules`: its `@offline_encoder` spec
+    precision: Precision | None = None  # when prepared: master / compute / loaded dtypes
 
     @property
     def name(self) -> str:

@@ -1,7 +1,7 @@
 """`activation_checkpointing` of one module, through the released classes' own checkpointing (transformers' per-layer
 `activation_checkpointing_enable`).
 
-A composed module is one `PreTrainedModel`: its own. An adopted model's module (`adopt.parts.Part`) is a container
+A composed module is one `PreTrainedModel`: its own. An adopted model's module (a `modules.units.RootedModule`) is a container
 of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel` supporting it (LLaVA's
 `model.language_model`), else the outermost such models inside the root, checkpoint their own layers; a root with
 none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module: its layers keep their own
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..adopt.parts import Part
 from ..compat import gradient_checkpointing_attributes
 from ..errors import OmniArgumentError
+from ..modules.units import RootedModule
 
 _UNSET = object()
 _FLAGS = gradient_checkpointing_attributes()
@@ -36,7 +36,7 @@ def _outermost(module: nn.Module, skip: set[int]) -> list[nn.Module]:
 
 def checkpointed_models(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
     """(model whose own checkpointing covers part of `module`, the carved-out submodules inside it), for each."""
-    if not isinstance(module, Part):
+    if not isinstance(module, RootedModule):
         return [(module, [])] if getattr(module, "supports_gradient_checkpointing", False) else []
     found = []
     for root in module.omni_roots:
@@ -51,7 +51,7 @@ def check_activation_checkpointing(module: nn.Module, name: str) -> list[tuple[n
     models = checkpointed_models(module)
     if not models:
         what = (f"none of its paths {[r.path for r in module.omni_roots]} is or holds a transformers model that "
-                "supports it (gradient checkpointing)") if isinstance(module, Part) else \
+                "supports it (gradient checkpointing)") if isinstance(module, RootedModule) else \
             f"{type(module).__name__} does not support activation checkpointing"
         raise OmniArgumentError(name, "activation_checkpointing", what)
     return models

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import composable_replicate
-from ..adopt.parts import Part, run_roots
+from ..modules.units import roots_of, run_roots
 from .loose import replicate_loose
 from .strategy import Strategy, register
 
@@ -27,16 +27,18 @@ class DdpStrategy(Strategy):
     """Replicated over all ranks with DDP's keyword arguments (`find_unused_parameters`, `bucket_cap_mb`, ...)."""
 
     name = "ddp"
+    description = "replicated on every rank with DDP's bucketed all-reduce (torch's composable `replicate`)"
     collective = True
 
-    def __init__(self, ddp_kwargs: dict):
+    def __init__(self, ddp_kwargs: dict, module_name: str = ""):
+        super().__init__(module_name)
         self.ddp_kwargs = dict(ddp_kwargs)
         self.module: nn.Module | None = None
         self.loose = None  # an adopted module's paths that name tensors (`loose.py`)
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "DdpStrategy":
-        return cls(slot.args.ddp_kwargs())
+        return cls(slot.args.ddp_kwargs(), slot.name)
 
     def apply(self, module: nn.Module, device: torch.device) -> None:
         """Initialised now: parameters are broadcast from rank 0 before any method of the module runs (the composed
@@ -62,10 +64,8 @@ class DdpStrategy(Strategy):
 
 
 def units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """(what is replicated, its submodules left to other modules) for a module or each root of a Part."""
-    if not isinstance(module, Part):
-        return [(module, [])]
-    return [(r.module, [r.module.get_submodule(c) for c in r.carved]) for r in module.omni_roots]
+    """(what is replicated, its submodules left to other modules) for a module or each root of a rooted one."""
+    return [(r.module, r.carved_modules()) for r in roots_of(module)] or [(module, [])]
 
 
 def state_buffers(module: nn.Module) -> list[torch.Tensor]:

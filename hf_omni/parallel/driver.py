@@ -16,16 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..adopt.nesting import apply_order
+from .nesting import apply_order
 from ..compat import keep_output_recording
 from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
-from .fsdp import MODEL_SCOPE, FsdpStrategy, lazy_init_roots
-from .fsdp_settings import FsdpSettings
 from .mesh import Meshes, mesh_shape
-from .strategy import STRATEGIES, Strategy
+from .strategy import MODEL_SCOPE, STRATEGIES, Strategy
 from .tuning import apply_training_mode
 
 
@@ -57,7 +55,6 @@ def apply_training_modes(slots: dict[str, ModuleSlot]) -> list[str]:
     """Freeze / LoRA / activation checkpointing of every module; returns the modules that still train."""
     for slot in slots.values():
         slot.trains = apply_training_mode(slot.module, slot.args)
-        slot.args.trainable = slot.trains
     return [name for name, slot in slots.items() if slot.trains]
 
 
@@ -70,11 +67,12 @@ def plan(slot: ModuleSlot, fsdp_scope: str) -> str:
     if fsdp_scope == "model":
         return "fsdp"
     margs = slot.args
-    return margs.parallel if slot.trains or (margs.parallel_from_module and margs.parallel == "fsdp") else "none"
+    return margs.parallel if slot.trains or (margs.parallel_from_module and margs.strategy.shards) else "none"
 
 
-def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSettings) -> Prepared:
-    """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped."""
+def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict | None = None) -> Prepared:
+    """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped.
+    `model_settings`: the top-level `fsdp_plugin` (`fsdp_scope: model`: the one wrap of the composed model)."""
     device = accelerator.device
     if hasattr(model, "sync_parts"):  # an adopted model: submodules PEFT replaced, into the released model
         model.sync_parts()
@@ -85,12 +83,12 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
     kinds = {slot.name: plan(slot, fsdp_scope) for slot in live}
     scoped = fsdp_scope == "model" and has_process_group()
     shapes = {slot.name: mesh_shape(slot.name, slot.args.parallelism, world_size()) for slot in live
-              if kinds[slot.name] == "fsdp" and not scoped}  # every mesh error before anything is placed
+              if STRATEGIES[kinds[slot.name]].takes_mesh and not scoped}  # every mesh error before anything is placed
     if scoped and live:  # the top-level parallelism (every module's)
         shapes[MODEL_SCOPE] = mesh_shape(None, live[0].args.parallelism, world_size())
     meshes = Meshes(device.type)
     shard_later = {slot.name: slot.weights for slot in live
-                   if slot.is_pending and kinds[slot.name] == "fsdp" and not scoped}
+                   if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
     for slot in live:  # empty_init, not sharded: read whole
         if slot.is_pending and slot.name not in shard_later:
             fill_module(slot.module, slot.weights, device, slot.name)
@@ -104,7 +102,9 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
                 slot.module.to(device)
     prepared = Prepared(device=device)
     if scoped:  # one wrap of the whole composed model, frozen modules included
-        strategy = FsdpStrategy(MODEL_SCOPE, model_fsdp, meshes.get(shapes[MODEL_SCOPE]), compute=run_dtype)
+        fsdp = STRATEGIES["fsdp"]
+        settings = fsdp.parse_settings(None, model_settings)
+        strategy = fsdp.for_model(settings, meshes.get(shapes[MODEL_SCOPE]), run_dtype)
         strategy.apply(model, device)
         keep_output_recording(model)
         prepared.strategies.append(strategy)
@@ -121,12 +121,12 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
                 prepared.strategies.append(strategy)
     if getattr(model, "reduce_every_micro_step", False):  # adopted models: no accumulation window (`adopt.inputs`)
         prepared.strategies = []
-    for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own rows
+    for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own share
         slot = model.slots[name]
-        offload = slot.args.fsdp_settings().cpu_offload  # FSDP2 keeps offloaded shards on the CPU
-        fill_module(slot.module, folder, torch.device("cpu") if offload else device, name)
-        if offload:  # ... and never moves buffers: they stay where compute runs, as after a placed module's wrap
+        reading = slot.strategy.reading_device(device)  # FSDP2 keeps offloaded shards on the CPU
+        fill_module(slot.module, folder, reading, name)
+        if reading != device:  # ... and never moves buffers: they stay where compute runs, as after a placed wrap
             move_buffers(slot.module, device)
     for name in shard_later:  # once all are read: a root's lazy init covers the units nested in it (adopted models)
-        lazy_init_roots(model.slots[name].module)
+        model.slots[name].strategy.after_reading()
     return prepared

@@ -1,8 +1,7 @@
 """`parallel: fsdp`: FSDP2 per module, with one Accelerate `FullyShardedDataParallelPlugin(fsdp_version=2)` per
 module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its one global model, and never on CPU).
 
-- The plugin is built from the module's `FsdpSettings` with the environment's `FSDP_*` variables hidden and the
-  environment restored after (Accelerate reads unset fields from them and writes `FSDP_CPU_RAM_EFFICIENT_LOADING`).
+- The plugin is built from the module's `FsdpSettings` (`fsdp_settings.build_plugin`).
 - Wrap units: the plugin's auto-wrap policy (Accelerate's helper), the input embeddings as their own unit
   (the composed forward calls them before the module's own forward), then the module root.
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
@@ -12,82 +11,19 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 from torch import nn
 
-from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, no_split_modules, own_tensors
+from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, own_tensors
 from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
-from ..adopt.parts import Part, run_roots
-from .fsdp_settings import FsdpSettings
+from ..modules.units import RootedModule, roots_of, run_roots
+from .fsdp_settings import FsdpSettings, build_plugin
 from .loose import replicate_loose
-from .strategy import Strategy, register
+from .strategy import MODEL_SCOPE, Strategy, register
 
-MODEL_SCOPE = "(model)"  # the key of the one plugin under `fsdp_scope: model`
 FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
                    "get_video_features", "encode", "decode")
-
-
-@contextlib.contextmanager
-def isolated_fsdp_environment():
-    """Hide `FSDP_*` variables while a plugin is built, and undo whatever it writes to the environment."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
-    for key in saved:
-        del os.environ[key]
-    try:
-        yield
-    finally:
-        for key in [k for k in os.environ if k.startswith("FSDP_")]:
-            del os.environ[key]
-        os.environ.update(saved)
-
-
-def mixed_precision_policy(value, compute: torch.dtype | None = None):
-    """The module's FSDP2 `MixedPrecisionPolicy`: its `fsdp_plugin.mixed_precision` (`no`, `bf16`, or
-    {param_dtype, reduce_dtype, output_dtype} as dtype names); unset: parameters gathered in the run's bf16 compute
-    dtype (`compute`). Gradients are reduced in fp32 unless `reduce_dtype` says otherwise (a bf16 sum over hundreds of
-    ranks loses the small contributions). None: no policy (parameters as held, fp32 reductions of fp32 gradients)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if value == "no":
-        return None
-    if isinstance(value, dict):
-        dtypes = {k: getattr(torch, v) for k, v in value.items()}
-        dtypes.setdefault("reduce_dtype", torch.float32)
-        return MixedPrecisionPolicy(**dtypes)
-    param = torch.bfloat16 if value == "bf16" or (value is None and compute == torch.bfloat16) else None
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
-
-
-def build_plugin(module: nn.Module, name: str, settings: FsdpSettings, compute: torch.dtype | None = None):
-    """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    size_based = settings.min_num_params is not None
-    kwargs = dict(
-        fsdp_version=2,
-        reshard_after_forward=settings.reshard_after_forward,
-        cpu_offload=settings.cpu_offload,
-        cpu_ram_efficient_loading=settings.cpu_ram_efficient_loading,
-        mixed_precision_policy=mixed_precision_policy(settings.mixed_precision, compute),
-        ignored_modules=settings.ignored_modules,
-        activation_checkpointing=False,
-        state_dict_type="SHARDED_STATE_DICT",
-        auto_wrap_policy="size_based_wrap" if size_based else "transformer_based_wrap",
-    )
-    if size_based:
-        kwargs["min_num_params"] = settings.min_num_params
-    else:
-        kwargs["transformer_cls_names_to_wrap"] = (settings.transformer_cls_names_to_wrap
-                                                   or sorted(no_split_modules(module)))  # those present in it
-    try:
-        with isolated_fsdp_environment():
-            return FullyShardedDataParallelPlugin(**kwargs)
-    except (ValueError, TypeError) as err:
-        raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None
 
 
 @register
@@ -96,18 +32,46 @@ class FsdpStrategy(Strategy):
     plugin. `lazy_init=False`: the module is on the meta device, filled after sharding (`fsdp_lazy_init_root` then)."""
 
     name = "fsdp"
-    collective = True
+    description = "FSDP2 per module (full shard, or HSDP on a 2-D mesh), with its own Accelerate plugin"
+    settings_class = FsdpSettings
+    settings_key = "fsdp_plugin"
+    collective = shards = takes_mesh = True
 
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):
-        self.module_name, self.settings, self.mesh, self.lazy_init = module_name, settings, mesh, lazy_init
+        super().__init__(module_name, settings, mesh)
+        self.lazy_init = lazy_init
         self.compute = compute  # the run's compute dtype (bf16: parameters gathered in bf16 unless set otherwise)
         self.plugin = self.module = self.loose = None
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
         compute = slot.precision.compute if slot.precision is not None else None
-        return cls(slot.name, slot.args.fsdp_settings(), mesh, lazy_init, compute)
+        return cls(slot.name, slot.settings, mesh, lazy_init, compute)
+
+    @classmethod
+    def for_model(cls, settings: FsdpSettings, mesh, compute: torch.dtype | None) -> "FsdpStrategy":
+        return cls(MODEL_SCOPE, settings, mesh, compute=compute)
+
+    @classmethod
+    def compute_dtype(cls, settings: FsdpSettings, run_dtype: torch.dtype | None) -> torch.dtype | None:
+        """`mixed_precision`'s parameter dtype where set, else the run's."""
+        return settings.param_dtype(run_dtype)
+
+    @classmethod
+    def check_fp16(cls, module: str, settings: FsdpSettings) -> None:
+        if settings.cpu_offload:
+            raise OmniArgumentError(module, "fsdp_plugin.cpu_offload", "fp16 with an offloaded FSDP module: "
+                                    "torch's GradScaler reduces its CPU found-inf over the accelerator's group; "
+                                    "use bf16 (no loss scaling) or keep the module on the device")
+
+    def after_reading(self) -> None:
+        """Its roots' lazy init, once every module is read (a root's covers the units nested in it)."""
+        lazy_init_roots(self.module)
+
+    def reading_device(self, device: torch.device) -> torch.device:
+        """FSDP2 keeps offloaded shards on the CPU."""
+        return torch.device("cpu") if self.settings.cpu_offload else device
 
     def apply(self, module: nn.Module, device: torch.device) -> None:
         self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
@@ -154,7 +118,7 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     except ValueError as err:
         raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", str(err)) from None
     roots = run_roots(module)
-    others = {id(m) for r in getattr(module, "omni_roots", ()) for c in r.carved
+    others = {id(m) for r in roots_of(module) for c in r.carved
               for m in r.module.get_submodule(c).modules()}  # carved-out: another module's to wrap
     if policy is not None:
         for root in roots:
@@ -168,7 +132,7 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
         fully_shard(holders, **kwargs)
         grouped.update((id(h), id(holders[0])) for h in holders)
     check_ties_within_units(module, name, grouped)
-    if isinstance(module, Part):  # an adopted model's module: its released submodules are the units' roots
+    if isinstance(module, RootedModule):  # an adopted model's module: its released submodules are the units' roots
         shard_part(module, kwargs)
     else:
         fully_shard(module, **kwargs)
@@ -181,7 +145,7 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     return module
 
 
-def shard_part(part: Part, kwargs: dict) -> None:
+def shard_part(part: RootedModule, kwargs: dict) -> None:
     """Each path of an adopted model's module is a root unit (unless in a unit already: a tied `lm_head`), its
     carved-out descendants' parameters left to their own module. Paths that name one tensor are no unit: they stay
     whole on every rank (`loose.py`)."""

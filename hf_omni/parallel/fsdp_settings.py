@@ -1,11 +1,20 @@
-"""`FsdpSettings`: the keys of a module's `fsdp_plugin` entry, declared as the per-module keys are (`keys`),
-from which `parallel.fsdp` builds the module's Accelerate `FullyShardedDataParallelPlugin`."""
+"""`FsdpSettings`: the keys of a module's `fsdp_plugin` entry, declared as the per-module keys are (`keys`), and the
+module's Accelerate `FullyShardedDataParallelPlugin` built from them (`build_plugin`).
+
+The plugin is built with the environment's `FSDP_*` variables hidden and the environment restored after (Accelerate
+reads unset fields from them and writes `FSDP_CPU_RAM_EFFICIENT_LOADING`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
+from ..compat import no_split_modules
 from ..errors import OmniArgumentError
 from ..keys import check_field, declared, key
 
@@ -70,6 +79,16 @@ class FsdpSettings:
             raise OmniArgumentError(module, "fsdp_plugin.min_num_params",
                                     "size-based wrapping cannot be combined with transformer_cls_names_to_wrap")
 
+    def param_dtype(self, run_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype parameters are gathered and computed in: `mixed_precision`'s where set, else the run's."""
+        setting = self.mixed_precision
+        if setting == "no":
+            return run_dtype
+        if isinstance(setting, dict):
+            param = setting.get("param_dtype")
+            return getattr(torch, param) if param and param != "float32" else run_dtype
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setting, run_dtype) if setting else run_dtype
+
     @classmethod
     def from_dict(cls, module: str | None, settings: dict) -> "FsdpSettings":
         cls.check_overlay(module, settings)
@@ -77,3 +96,62 @@ class FsdpSettings:
         if isinstance(out.transformer_cls_names_to_wrap, str):
             out.transformer_cls_names_to_wrap = [out.transformer_cls_names_to_wrap]
         return out
+
+
+@contextlib.contextmanager
+def isolated_fsdp_environment():
+    """Hide `FSDP_*` variables while a plugin is built, and undo whatever it writes to the environment."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        for name in [k for k in os.environ if k.startswith("FSDP_")]:
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+def mixed_precision_policy(value, compute: torch.dtype | None = None):
+    """The module's FSDP2 `MixedPrecisionPolicy`: its `fsdp_plugin.mixed_precision` (`no`, `bf16`, or
+    {param_dtype, reduce_dtype, output_dtype} as dtype names); unset: parameters gathered in the run's bf16 compute
+    dtype (`compute`). Gradients are reduced in fp32 unless `reduce_dtype` says otherwise (a bf16 sum over hundreds of
+    ranks loses the small contributions). None: no policy (parameters as held, fp32 reductions of fp32 gradients)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if value == "no":
+        return None
+    if isinstance(value, dict):
+        dtypes = {k: getattr(torch, v) for k, v in value.items()}
+        dtypes.setdefault("reduce_dtype", torch.float32)
+        return MixedPrecisionPolicy(**dtypes)
+    param = torch.bfloat16 if value == "bf16" or (value is None and compute == torch.bfloat16) else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
+
+
+def build_plugin(module: nn.Module, name: str, settings: FsdpSettings, compute: torch.dtype | None = None):
+    """One fresh Accelerate plugin for this module (plugins are mutated by `set_auto_wrap_policy`)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    size_based = settings.min_num_params is not None
+    kwargs = dict(
+        fsdp_version=2,
+        reshard_after_forward=settings.reshard_after_forward,
+        cpu_offload=settings.cpu_offload,
+        cpu_ram_efficient_loading=settings.cpu_ram_efficient_loading,
+        mixed_precision_policy=mixed_precision_policy(settings.mixed_precision, compute),
+        ignored_modules=settings.ignored_modules,
+        activation_checkpointing=False,
+        state_dict_type="SHARDED_STATE_DICT",
+        auto_wrap_policy="size_based_wrap" if size_based else "transformer_based_wrap",
+    )
+    if size_based:
+        kwargs["min_num_params"] = settings.min_num_params
+    else:
+        kwargs["transformer_cls_names_to_wrap"] = (settings.transformer_cls_names_to_wrap
+                                                   or sorted(no_split_modules(module)))  # those present in it
+    try:
+        with isolated_fsdp_environment():
+            return FullyShardedDataParallelPlugin(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import queue_backward_callback
+from ..modules.units import loose_tensors
 
 
 class LooseReplicas:
-    """The loose tensors of one Part (`adopt.parts.Loose`), replicated over every rank."""
+    """The loose tensors of one rooted module (`modules.units.loose_tensors`), replicated over every rank."""
 
     def __init__(self, part: nn.Module):
-        self.loose, self.syncing, self.queued = list(part.omni_tensors), True, False
+        self.loose, self.syncing, self.queued = list(loose_tensors(part)), True, False
         self.hooked: dict[int, nn.Parameter] = {}
         live = [t for t in self.tensors() if not t.is_meta]  # empty_init: every rank reads the same values later
         with torch.no_grad():
@@ -69,4 +70,4 @@ class LooseReplicas:
 
 def replicate_loose(module: nn.Module) -> LooseReplicas | None:
     """Replicas of `module`'s loose tensors (an adopted model's module with paths naming tensors), else None."""
-    return LooseReplicas(module) if getattr(module, "omni_tensors", None) else None
+    return LooseReplicas(module) if loose_tensors(module) else None

@@ -9,3 +9,4 @@ from .strategy import Strategy, register
 @register
 class NoStrategy(Strategy):
     name = "none"
+    description = "the module runs as it is on each rank (every module when there is no process group)"

@@ -5,10 +5,12 @@ another module's FSDP root is not a root: the outer one initialises it."""
 
 from __future__ import annotations
 
+from ..modules.units import roots_of
+
 
 def apply_order(slots: list, kinds: dict[str, str]) -> list:
     """`slots` with deeper paths first (stable otherwise); marks each FSDP root nested in another's."""
-    roots = {slot.name: getattr(slot.module, "omni_roots", []) for slot in slots}
+    roots = {slot.name: roots_of(slot.module) for slot in slots}
     if not any(roots.values()):
         return slots
     outer = [r.path for name, rs in roots.items() if kinds.get(name) == "fsdp" for r in rs]
