@@ -20,6 +20,7 @@ from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
 from .config import OmniConfig, module_folder
 from .hub.ids import LAYOUTS
+from .hub.push import push_saved
 from .modules.folder import copy_module_folder
 from .offline.serve import ENCODE_ONLY
 from .progress import each
@@ -50,7 +51,6 @@ def export(checkpoint: str, out: str) -> None:
 
 def push(folder: str, repo_id: str, hub_layout: str | None, private: bool, revision: str | None) -> dict[str, str]:
     """Push an export, or a complete checkpoint (its sha256s checked when it recorded them)."""
-    from .hub.push import push_saved
 
     if os.path.exists(os.path.join(folder, MARKER)):
         check_complete(folder, verify=None)

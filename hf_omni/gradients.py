@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .compat import scaler_device, scaler_state
+from .dist import checkpoint_group, world_size
+
 
 def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     """L2 norm of the module's gradients, on `device` (where the modules compute); for sharded (DTensor) gradients
@@ -68,9 +71,6 @@ def share_found_inf(scaler, optimizers: list[torch.optim.Optimizer]) -> torch.Te
     becomes each optimizer's, so `scaler.update()` backs off alike on every rank, and is returned (no host read
     here). An optimizer none of whose parameters has a gradient adds 0."""
     import torch.distributed as dist
-
-    from .compat import scaler_device, scaler_state
-    from .dist import checkpoint_group, world_size
 
     device = scaler_device(scaler)  # one device on every rank, so one group
     found = [scaler_state(scaler, opt).setdefault("found_inf_per_device", {}) for opt in optimizers]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 
+from .dist import is_main
+
 
 def progress(total: int, desc: str, unit: str = "module"):
     """A bar of `total` steps on the main process (a disabled one elsewhere, or when progress bars are off)."""
     from transformers.utils import logging
-
-    from .dist import is_main
 
     off = not is_main() or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").upper() in ("1", "ON", "YES", "TRUE")
     return logging.tqdm(total=total, desc=desc, unit=unit, disable=off or not logging.is_progress_bar_enabled(),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from .module import MODULE_FIELDS
+
 HONOURED, PER_MODULE, HF_OMNI, REFUSED, NO_EFFECT = "honoured", "per module", "hf_omni", "refused", "no effect"
 
 _TRAINER = "Trainer's own"
@@ -147,8 +149,6 @@ _FATES["gradient_checkpointing"] = (REFUSED, "use `activation_checkpointing` (to
 def fates() -> dict[str, tuple[str, str]]:
     """field -> (fate, what happens), for every field hf_omni knows: per-module keys from their declarations."""
     from transformers import TrainingArguments
-
-    from .module import MODULE_FIELDS
 
     out = dict(_FATES)
     for name, f in MODULE_FIELDS.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from ..dist import has_process_group
 from ..errors import DamagedFileError
 from .file_checks import EARLIER
 
@@ -71,8 +72,6 @@ def hash_checkpoint(directory: str, sizes: dict[str, int], group) -> dict[str, l
     """Every rank hashes its share, rank 0 receives the digests (one `gather_object` of hex strings): the
     marker's record on rank 0, None elsewhere."""
     import torch.distributed as dist
-
-    from ..dist import has_process_group
 
     if not has_process_group():
         return digests_by_file(sizes, hash_share(directory, sizes, 0, 1))

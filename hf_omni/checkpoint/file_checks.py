@@ -15,6 +15,8 @@ import math
 import os
 import struct
 
+from ..compat import dcp_sharding_info_key
+
 MAX_HEADER = 100_000_000  # safetensors refuses longer headers
 BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
         "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
@@ -94,7 +96,6 @@ def _tensor_problem(info, data: int) -> str | None:
 
 def _sharding_problem(metadata: dict, header: dict) -> str | None:
     """A `state/` shard's record of where each tensor lies in the whole (DCP reads it to reshard)."""
-    from ..compat import dcp_sharding_info_key
 
     if dcp_sharding_info_key() not in metadata:
         return None

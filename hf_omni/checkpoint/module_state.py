@@ -20,8 +20,13 @@ import os
 
 import torch
 
+from ..dist import checkpoint_group
+from ..modules.folder_plan import plan_folder
+from ..modules.lora_base import has_fixed_base
 from ..modules.tensor_layout import file_layout, module_tensors
 from ..parallel.replicas import load_once
+from .shard_reader import ShardReader
+from .shard_writer import ShardWriter
 from .state_json import json_value, like
 
 STATE = "state"
@@ -43,14 +48,11 @@ WRITER_THREADS = 2  # files (and threads) per rank and module: bench/checkpoint.
 
 
 def _writer(state_dir: str):
-    from .shard_writer import ShardWriter
-
     return ShardWriter(state_dir, threads=WRITER_THREADS)
 
 
 def _reader(state_dir: str, group=None, alone: bool = False):
     """DCP's reader of `state/`, its shard headers read by one rank of the load (`shard_reader`)."""
-    from .shard_reader import ShardReader
 
     return ShardReader(state_dir, group, alone)
 
@@ -90,7 +92,6 @@ def save_scheduler(state: dict, folder: str) -> None:
 def state_keys(folder: str) -> list[str]:
     """The sorted tensor keys a module's `state/` holds, read from the safetensors headers (DCP's flattened names:
     `optimizer.state.<param>.<name>`, `tensors.<name>`)."""
-    from ..dist import checkpoint_group  # every rank calls this: the headers are read by rank 0 alone
 
     return sorted(_reader(os.path.join(folder, STATE), checkpoint_group()).read_metadata().state_dict_metadata)
 
@@ -159,8 +160,6 @@ class ModuleState:
     def plan(self):
         """Its HF files' plan (`modules.folder_plan`), worked out at the first save."""
         if self._plan is None:
-            from ..modules.folder_plan import plan_folder
-
             self._plan = plan_folder(self.slot.module, self.slot.export_dtypes)
         return self._plan
 
@@ -168,14 +167,11 @@ class ModuleState:
     def fixed_base(self) -> bool:
         """A LoRA module whose base never changes (`lora_base.has_fixed_base`): its base is written once."""
         if self._fixed_base is None:
-            from ..modules.lora_base import has_fixed_base
-
             self._fixed_base = has_fixed_base(self.slot.module)
         return self._fixed_base
 
     def base_plan(self):
         """The plan of its base's files alone (no adapter), as a plain model of its class holds them."""
-        from ..modules.folder_plan import plan_folder
 
         return plan_folder(self.slot.module, self.slot.export_dtypes, merged=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..config import OmniConfig, module_folder
-from ..dist import agreed, rank, world_size
+from ..dist import agreed, checkpoint_group, rank, world_size
 from ..modules.weights import read_into, read_through_transformers
 from . import bases, files, module_state
 
@@ -31,7 +31,6 @@ def resume_weights_folders(model, directory: str) -> set[str]:
 def check_shared(directory: str, timeout_s: float | None = None) -> dict:
     """`files.check_complete` with each rank statting its share of the files and parsing their headers / JSON
     (`file_checks`), the ranks then agreeing on the outcome (digests: at the load, `verify_checkpoint`)."""
-    from ..dist import checkpoint_group
 
     with agreed(f"checking checkpoint {directory}", checkpoint_group(timeout_s)):
         return files.check_complete(directory, share=(rank(), world_size()))

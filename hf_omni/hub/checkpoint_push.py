@@ -15,6 +15,13 @@ import json
 import os
 import posixpath
 
+from ..checkpoint.bases import recorded
+from ..checkpoint.digests import PIECE
+from ..checkpoint.marker import MARKER, read_marker
+from ..modules.folder import adapter_config_with_base
+from ..modules.lora import ADAPTER_CONFIG
+from ..modules.lora_base import BASE_MARKER, FROZEN, base_reference
+
 
 def scrubbed_config(path: str) -> bytes:
     """A root config without the local `source` paths of its modules."""
@@ -27,7 +34,6 @@ def scrubbed_config(path: str) -> bytes:
 def scrubbed_record(path: str, rewritten: dict[str, bytes] | None = None) -> bytes:
     """A checkpoint marker or base marker without the local folders of the bases it records; the files this push
     rewrote (`rewritten`) listed with their new sizes and sha256, so that the pushed checkpoint checks complete."""
-    from ..checkpoint.digests import PIECE
 
     with open(path) as f:
         info = json.load(f)
@@ -46,8 +52,6 @@ def scrubbed_record(path: str, rewritten: dict[str, bytes] | None = None) -> byt
 
 def checkpoint_bases(folder: str) -> dict[str, str]:
     """Base name -> its local folder, for each LoRA base a checkpoint's marker records (none for an export)."""
-    from ..checkpoint.bases import recorded
-    from ..checkpoint.marker import read_marker
 
     marker = read_marker(folder) if os.path.isdir(folder) else None
     return {b.name: b.folder for b in recorded(folder, marker).values()} if isinstance(marker, dict) else {}
@@ -58,11 +62,6 @@ def folder_operations(folders: dict[str, str]) -> tuple[list, tuple[str, ...]]:
     path prefixes this push manages (what a previous push left there is deleted by `commit`: `last-checkpoint/`
     must not keep another world size's shards)."""
     from huggingface_hub import CommitOperationAdd
-
-    from ..checkpoint.marker import MARKER
-    from ..modules.folder import adapter_config_with_base
-    from ..modules.lora import ADAPTER_CONFIG
-    from ..modules.lora_base import BASE_MARKER, FROZEN, base_reference
 
     ops, prefixes, bases = [], [], {}
     for path_in_repo, folder in folders.items():

@@ -21,7 +21,9 @@ import shutil
 import numpy as np
 import torch
 
+from ..checkpoint.marker import read_json
 from ..checkpoint.shard_writer import raw_bytes
+from ..compat import dataset_fingerprint
 from ..dist import agreed, is_main, rank, world_size
 from ..progress import each
 from .ragged import row_counts, split_rows
@@ -52,7 +54,6 @@ def files_hash(folder: str) -> str:
 def dataset_hash(dataset, columns: tuple[str, ...]) -> str:
     """A `datasets.Dataset`: its own fingerprint (it changes with every transform); any other map-style dataset:
     the content of `columns` in every row (one pass over them)."""
-    from ..compat import dataset_fingerprint
 
     fingerprint = dataset_fingerprint(dataset)
     if fingerprint is not None:
@@ -136,7 +137,6 @@ class Cache:
 
 def read_manifest(folder: str) -> dict | None:
     """A cache's manifest; None when absent or unreadable (then the cache is not valid and is recomputed)."""
-    from ..checkpoint.marker import read_json
 
     try:
         manifest = read_json(os.path.join(folder, MANIFEST))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist import world_size
+from ..dist import all_gather_host, checkpoint_group, rank, world_size
 from ..dtypes import CODES
 
 MAX_DIMS = 8
@@ -63,8 +63,6 @@ def share_inputs(groups: dict, problem: str | None = None) -> dict:
     rank), and the answer {key: Shared}. A rank that found its inputs wrong (`problem`) says so in the same
     all-gather, and every rank then raises the same error, naming that rank."""
     import torch.distributed as dist
-
-    from ..dist import all_gather_host, checkpoint_group, rank
 
     columns = [(key, column, value) for key, values in groups.items() for column, value in values.items()]
     mine = [[0] * (3 + MAX_DIMS) for _ in range(len(columns) + 1)]  # the last row: this rank's error flag

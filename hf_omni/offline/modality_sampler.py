@@ -19,6 +19,9 @@ import logging
 
 import torch
 
+from ..dist import agreed, broadcast_from_main, is_main
+from .spec import class_encoders
+
 logger = logging.getLogger("hf_omni")
 
 
@@ -91,8 +94,6 @@ class ModalityGroupedSampler(torch.utils.data.Sampler):
 def modality_sampler(model, dataset, per_device_batch: int, world: int, seed: int, shuffle: bool,
                      group=None) -> ModalityGroupedSampler:
     """The sampler for `dataset` and `model`'s entry points; the rows' modalities read by rank 0 and broadcast."""
-    from ..dist import agreed, broadcast_from_main, is_main
-    from .spec import class_encoders
 
     columns = model.modality_columns() if hasattr(model, "modality_columns") else {  # adopted: its forward's
         s.module: list(s.inputs) + [s.output] for s in class_encoders(type(model))}

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import OmniArgumentError
+from ..keys import declared, default_of
 
 STRATEGIES: dict[str, type["Strategy"]] = {}
 MODEL_SCOPE = "(model)"  # the key of the one strategy over the composed model (`fsdp_scope: model`)
@@ -43,7 +44,6 @@ def check_settings(module: str | None, key: str, values: dict) -> None:
 
 def settings_tables() -> list[str]:
     """docs/configuration.md's table of each registered strategy's settings keys (from their declarations)."""
-    from ..keys import declared, default_of
 
     rows = []
     for cls in STRATEGIES.values():

@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 import threading
 
+from ..compat import op_schema_name, resolve_process_group, torch_dispatch_mode
+
 RING = {  # name -> (argument whose bytes count, share received by a rank of a group of n)
     "all_gather_single": ("output_tensor", lambda n, me, root: (n - 1) / n),
     "all_gather_into_tensor": ("output_tensor", lambda n, me, root: (n - 1) / n),
@@ -105,8 +107,6 @@ class ReceivedBytes:
 def _functional_counter(counter: ReceivedBytes):
     """A dispatch mode adding each `_c10d_functional` collective's received bytes to `counter`."""
     import torch
-
-    from ..compat import op_schema_name, resolve_process_group, torch_dispatch_mode
 
     class FunctionalCollectives(torch_dispatch_mode()):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

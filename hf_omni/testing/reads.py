@@ -3,14 +3,14 @@ the page cache hide them from /proc/self/io, so "is each byte read once?" is ans
 
 from __future__ import annotations
 
+from ..compat import wrap_dcp_hf_read_request
+from ..modules import weights
+
 
 def count_reads() -> dict:
     """Wrap the safetensors reads of hf_omni (`SafetensorsIndex.read`) and of DCP's HF reader (each read request's
     tensor slice) for the rest of the process; returns the counter, `{"bytes": n}`, that they add to."""
     import math
-
-    from ..compat import wrap_dcp_hf_read_request
-    from ..modules import weights
 
     counter = {"bytes": 0}
     read = weights.SafetensorsIndex.read

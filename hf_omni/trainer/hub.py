@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 
+from ..dist import RankFailure, share_failure
 from ..hub.push import plan_modules, push_saved
 from ..hub.released_push import check_released_layout
 
@@ -75,7 +76,6 @@ class BackgroundPush:
     def finish(self, group=None) -> None:
         """Wait for the push in flight (rank 0's); if it failed (the last push of a run), rank 0 raises its error and
         every other rank a `RankFailure` naming it, so no rank goes on to a collective the others never join."""
-        from ..dist import RankFailure, share_failure
 
         self.wait_until_done()
         error = self._future.exception() if self._future is not None else None
