@@ -64,17 +64,7 @@ class ModuleCheckpointer:
         self.wait()
         with agreed(f"preparing {directory}", self.group):
             if is_main():
-                os.makedirs(directory, exist_ok=True)
-                stale = os.path.join(directory, marker.MARKER)
-                if os.path.exists(stale):  # a re-save into this folder: incomplete until the new marker is written
-                    os.remove(stale)
-                    marker.fsync_dir(directory)
-                for name in self.trainable:  # old shards would be read back beside the new ones
-                    old = os.path.join(self.folder(directory, name), module_state.STATE)
-                    if os.path.isdir(old):
-                        shutil.rmtree(old)
-                    folder_write.remove_weight_files(self.folder(directory, name))  # written in place, untruncated
-                    os.makedirs(self.folder(directory, name), exist_ok=True)
+                self._clear(directory)
         for slot in self.model.slots.values():
             if not slot.trains:
                 write_frozen_source(slot, self.output_dir, self.group)
@@ -118,6 +108,21 @@ class ModuleCheckpointer:
             self._exit_hook = True
         if write_marker and not self.save_async:
             self.wait()
+
+    def _clear(self, directory: str) -> None:
+        """Rank 0, before a save into `directory`: no marker (incomplete until the new one), no old shards or weight
+        files of the trainable modules (files are written in place, untruncated; old shards would be read back)."""
+        os.makedirs(directory, exist_ok=True)
+        stale = os.path.join(directory, marker.MARKER)
+        if os.path.exists(stale):
+            os.remove(stale)
+            marker.fsync_dir(directory)
+        for name in self.trainable:
+            old = os.path.join(self.folder(directory, name), module_state.STATE)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+            folder_write.remove_weight_files(self.folder(directory, name))
+            os.makedirs(self.folder(directory, name), exist_ok=True)
 
     def fence(self) -> None:
         """Before an optimizer step: the async save in flight has copied what it writes."""

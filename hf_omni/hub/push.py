@@ -102,6 +102,20 @@ def module_operations(folder: str, prefix: str, card: str | None, own_repo: str 
     return ops + ([CommitOperationAdd(f"{prefix}README.md", card.encode())] if card is not None else [])
 
 
+def _root_operations(root: str, entries: list, repo_id: str, config, summary, plans: list, cards: bool) -> list:
+    """The composition repo's `config.json` (its module entries as pushed) and, with `cards`, its README."""
+    from huggingface_hub import CommitOperationAdd
+
+    with open(os.path.join(root, "config.json")) as f:
+        root_config = json.load(f)
+    root_config["modules"] = [e.to_dict() for e in entries]  # each checked as any root config's entries
+    ops = [CommitOperationAdd("config.json", json.dumps(root_config, indent=2, sort_keys=True).encode())]
+    if cards:
+        card = composition_card(repo_id, entries, config.omni_class, summary, [p.repo_id for p in plans if p.link])
+        ops.append(CommitOperationAdd("README.md", card.encode()))
+    return ops
+
+
 def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: dict | None = None,
                token: str | None = None, private: bool | None = None, revision: str | None = None,
                commit_message: str = "Upload with hf_omni", extra_folders: dict[str, str] | None = None,
@@ -113,7 +127,7 @@ def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: d
     already uploaded unchanged (a frozen module, by an earlier push of this run), updated in place.
     Returns `{repo_id: commit}` of the commits made. An adopted model's export or checkpoint: one repo in its
     released format (`released_push`)."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import HfApi
     from huggingface_hub.utils import tqdm
 
     released = released_files(root)
@@ -151,14 +165,7 @@ def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: d
                 entry.hub_repo, entry.hub_revision = plan.repo_id, pushed[plan.name][1]
                 bar.update(1)
             entries.append(entry)
-        with open(os.path.join(root, "config.json")) as f:
-            root_config = json.load(f)
-        root_config["modules"] = [e.to_dict() for e in entries]  # each checked as any root config's entries
-        composition_ops.append(CommitOperationAdd("config.json", json.dumps(root_config, indent=2,
-                                                                            sort_keys=True).encode()))
-        if cards:
-            card = composition_card(repo_id, entries, config.omni_class, summary, [p.repo_id for p in plans if p.link])
-            composition_ops.append(CommitOperationAdd("README.md", card.encode()))
+        composition_ops += _root_operations(root, entries, repo_id, config, summary, plans, cards)
         checkpoint_ops, checkpoint_prefixes = folder_operations(extra_folders or {})
         composition_ops += checkpoint_ops
         prefixes = tuple(f"{e.subfolder}/" for e in entries) + checkpoint_prefixes
