@@ -16,8 +16,8 @@ from ..config import repo_id_error
 from ..errors import OmniArgumentError
 from ..keys import NUMBER, check_field, declared, default_of, key
 from ..modules.precision import MASTER_DTYPES
-from ..parallel.strategy import STRATEGIES, Strategy, check_settings, settings_tables, strategy_names
 from ..parallel.mesh import check_parallelism
+from ..parallel.strategy import STRATEGIES, Strategy, check_settings, settings_tables, strategy_names
 
 
 # -- per-module keys ------------------------------------------------------------------------------------

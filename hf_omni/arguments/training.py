@@ -19,9 +19,9 @@ from transformers import TrainingArguments
 
 from ..errors import OmniArgumentError
 from ..hub.ids import LAYOUTS
-from ..keys import as_number, check_type, merge_overlay
-from .fields import COMPILE, REFUSALS
+from ..keys import as_number, check_type, default_of, merge_overlay
 from ..parallel.strategy import STRATEGIES, check_settings
+from .fields import COMPILE, REFUSALS
 from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_key, field_help
 
 FSDP_SCOPES = ("module", "model")
@@ -36,11 +36,12 @@ class OmniTrainingArguments(TrainingArguments):
     modules: dict | str | None = field(
         default=None, metadata={"help": "Per-module overlays, {name: {key: value}} (JSON on the CLI)."})
     lora: dict | str | None = field(default=None, metadata={"help": field_help("lora") + " (JSON on the CLI)"})
-    parallel: str = field(default="ddp", metadata={"help": field_help("parallel")})
+    parallel: str = field(default=default_of(MODULE_FIELDS["parallel"]), metadata={"help": field_help("parallel")})
     fsdp_plugin: dict | str | None = field(default=None, metadata={"help": field_help("fsdp_plugin") + " (JSON)"})
     parallelism: dict | str | None = field(default=None, metadata={
         "help": field_help("parallelism") + " (JSON on the CLI)"})
-    master_dtype: str = field(default="auto", metadata={"help": field_help("master_dtype")})
+    master_dtype: str = field(default=default_of(MODULE_FIELDS["master_dtype"]),
+                              metadata={"help": field_help("master_dtype")})
     fsdp_scope: str = field(
         default="module", metadata={"help": "module: each module wraps itself | model: one wrap of the whole model."})
     grad_clip_scope: str = field(
