@@ -1,87 +1,12 @@
 """Every private API of torch / transformers / accelerate / peft that hf_omni touches, each behind a named function
 (Trainer's methods and attributes that OmniTrainer relies on are checked in `trainer.hooks` instead).
 
-The functions live in `torch_api.py` (torch) and `hf_api.py` (transformers, accelerate, peft, datasets); this
-file holds the index and `resolve`. These internals change between minor releases. `PRIVATE_SYMBOLS` lists each one (library, dotted path);
-`tests/test_compat.py` checks every entry against the installed versions and fails naming the library and
-symbol, and each function below fails loudly (never silently) when its internal is gone.
+The functions live in `torch_api.py` (torch) and `hf_api.py` (transformers, accelerate, peft, datasets);
+`symbols.py` holds the index and `resolve`. These internals change between minor releases. `PRIVATE_SYMBOLS` lists
+each one (library, dotted path); `tests/test_compat.py` checks every entry against the installed versions and fails
+naming the library and symbol, and each function fails loudly (never silently) when its internal is gone.
 """
 
-from __future__ import annotations
-
-import functools
-import importlib
-
-import torch
-from torch import nn
-
-# (library, dotted path: module path, then attributes)
-PRIVATE_SYMBOLS: list[tuple[str, str]] = [
-    ("torch", "torch.distributed.fsdp.FSDPModule._get_fsdp_state"),
-    ("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init"),
-    ("torch", "torch.distributed._composable.replicate.replicate"),
-    ("torch", "torch.distributed._composable.replicate.DDP"),
-    ("torch", "torch.autograd.Variable._execution_engine"),
-    ("torch", "torch.amp.grad_scaler._refresh_per_optimizer_state"),
-    ("transformers", "transformers.models.auto.modeling_auto.MODEL_MAPPING._extra_content"),
-    ("transformers", "transformers.core_model_loading.revert_weight_conversion"),
-    ("transformers", "transformers.modeling_utils._get_tied_weight_keys"),
-    ("transformers", "transformers.utils.output_capturing._CAN_RECORD_REGISTRY"),
-    ("transformers", "transformers.PreTrainedModel._init_weights"),
-    ("transformers", "transformers.PreTrainedModel._get_dtype_plan"),
-    ("transformers", "transformers.PreTrainedModel._hf_peft_config_loaded"),
-    ("transformers", "transformers.Trainer.get_decay_parameter_names"),
-    ("torch", "torch.distributed.checkpoint._hf_utils.DCP_SHARDING_INFO_KEY"),
-    ("torch", "torch.nn.modules.batchnorm._NormBase"),
-    ("torch", "torch.utils._pytree.tree_flatten"),
-    ("torch", "torch.utils._pytree.tree_unflatten"),
-    ("torch", "torch.utils._python_dispatch.TorchDispatchMode"),
-    ("torch", "torch.ops.aten.add.default._schema"),
-    ("torch", "torch.distributed.distributed_c10d._resolve_process_group"),
-    ("torch", "torch.distributed.checkpoint.hf_storage.HuggingFaceStorageReader._process_read_request"),
-    ("transformers", "transformers.PreTrainedModel._keys_to_ignore_on_save"),
-    ("transformers", "transformers.PreTrainedModel._tied_weights_keys"),
-    ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
-    ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
-]
-
-
-class MissingInternalError(RuntimeError):
-    """A private third-party symbol hf_omni relies on is gone from the installed version."""
-
-
-@functools.cache
-def resolve(path: str, library: str | None = None):
-    """Import the longest module prefix of `path`, then follow attributes; a clear error naming the library and
-    symbol when anything is missing. Cached: the failed imports of longer prefixes cost about 0.4 ms a call, and
-    some callers run every step."""
-    library = library or path.split(".", 1)[0]
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:  # not a module at this length: try a shorter prefix (all failing raises below)
-            continue
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            break
-        return obj
-    raise MissingInternalError(f"hf_omni relies on {library}'s private `{path}`, which the installed {library} "
-                               "lacks: install the versions in setup.cfg's ranges")
-
-
-def missing_symbols() -> list[str]:
-    """Each private symbol the installed libraries lack, as `library: path`."""
-    out = []
-    for library, path in PRIVATE_SYMBOLS:
-        try:
-            resolve(path, library)
-        except MissingInternalError:
-            out.append(f"{library}: {path}")
-    return out
-
-
-from .hf_api import *  # noqa: E402,F401,F403 - the named functions, one import path for every caller
-from .torch_api import *  # noqa: E402,F401,F403
+from .hf_api import *  # noqa: F401,F403 - the named functions, one import path for every caller
+from .symbols import PRIVATE_SYMBOLS, MissingInternalError, missing_symbols, resolve  # noqa: F401
+from .torch_api import *  # noqa: F401,F403

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import MissingInternalError, resolve
+from .symbols import MissingInternalError, resolve
 
 
 # -- transformers ---------------------------------------------------------------------------------------
