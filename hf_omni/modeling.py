@@ -33,9 +33,9 @@ from .config import ModuleEntry, OmniConfig, module_folder
 from .dist import is_main
 from .hub.download import adopted_folder, download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
-from .modules.classes import (
-    class_record, embeddings_of, is_token_embedding, original_class, per_module, resolve_module_class,
-)
+from .model_hooks import ModelHooks
+from .modules.classes import class_record, embeddings_of, is_token_embedding, original_class, per_module, \
+    resolve_module_class
 from .modules.folder import (
     PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
 )
@@ -44,7 +44,7 @@ from .offline.missing_modality import before_forward, keep_in_graph
 from .progress import each
 
 
-class OmniModel(PreTrainedModel):
+class OmniModel(ModelHooks, PreTrainedModel):
     """A composed model. Modules are attributes; `config` is an `OmniConfig` recording them; `slots[name]` is what
     is kept about each (`modules.slot.ModuleSlot`)."""
 

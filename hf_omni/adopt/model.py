@@ -37,6 +37,7 @@ class AdoptedModel(OmniModel):
 
     label_shift = True  # the released model computes a causal LM's loss: it shifts the labels itself
     reduce_every_micro_step = True  # its forward decides per batch which modules run (`inputs.py`)
+    encoders_from_settings = True  # `modules.<name>.offline_encoder` names a released method
     released_folder = RELEASED_FOLDER  # a checkpoint's copy in the released format (beside the modules' state)
 
     def __init__(self, config: OmniConfig, released: PreTrainedModel, processor=None):
@@ -88,12 +89,15 @@ class AdoptedModel(OmniModel):
             kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), **cached}
         return self.released(*args, **kwargs)
 
-    def released_encoders(self) -> dict:
+    def offline_encoder_specs(self) -> dict:
         """Module -> its `offline_encoder` setting as a spec (`adopt.offline`)."""
         from .offline import released_specs
         return released_specs(self)
 
-    def released_encoder(self, spec):
+    def offline_encoder_code(self, spec):
+        return getattr(type(self.released), spec.method)
+
+    def offline_encoder_call(self, spec):
         from .offline import released_encoder
         return released_encoder(self, spec)
 

@@ -93,7 +93,7 @@ class ModuleCheckpointer:
                     module_state.save_json(rest, folder, module_state.OPTIMIZER)
                     module_state.save_scheduler(scheduler_states[name], folder)
             self.states[name].save_tensors(folder, tensors, pipeline=pipeline, group=self.async_group)
-        released = getattr(self.model, "released_folder", None)
+        released = self.model.released_folder
         if released is not None:  # an adopted model: its released format too (every rank its rows)
             self.model.save_pretrained(os.path.join(directory, released))
         with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):

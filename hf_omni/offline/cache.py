@@ -27,7 +27,6 @@ from ..compat import dataset_fingerprint
 from ..dist import agreed, is_main, rank, world_size
 from ..progress import each
 from .ragged import row_counts, split_rows
-from .spec import encoder_code, encoder_function
 
 MANIFEST = "manifest.json"
 
@@ -96,7 +95,7 @@ def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict
     return {"weights": files_hash(folder) if folder else tensors_hash(dict(module.state_dict())),
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
             "dtype": ",".join(dtypes),
-            "encoder": code_hash(encoder_code(model, spec)),
+            "encoder": code_hash(model.offline_encoder_code(spec)),
             "collator": code_hash(collator),
             "dataset": dataset_hash(dataset, spec.inputs),
             "hf_omni": importlib.import_module(__package__.split(".")[0]).__version__,
@@ -169,7 +168,7 @@ def encode_rows(model, spec, dataset, collator, batch_size: int, device):
     """This rank's rows (rank::world_size) through the encoder method, in batches of the declared inputs; yields
     them in parts of about `HELD` bytes of outputs (at least one part, maybe empty), so that encoding holds a
     bounded amount whatever the dataset's size."""
-    method = encoder_function(model, spec)  # no cross-rank step
+    method = model.offline_encoder_call(spec)  # no cross-rank step
     out, held, parts = _empty_part(), 0, 0
     mine = list(range(rank(), len(dataset), world_size()))
     for start in each(range(0, len(mine), batch_size), f"encoding {spec.module!r} offline", unit="batch"):

@@ -64,7 +64,7 @@ def offline_encoder(module: str, inputs: list[str], output: str, ragged: str | N
 def check_offline_modules(model, offline: list[str]) -> None:
     """Every `offline_modules` entry: a module of `model`, with an `@offline_encoder`, fully frozen (its slot's
     resolved arguments); each one's slot gets its encoder."""
-    adopted = hasattr(model, "released_encoders")
+    adopted = model.encoders_from_settings
     for slot in model.slots.values():
         if not adopted and getattr(slot.args, "offline_encoder", None):
             raise OmniArgumentError(slot.name, "offline_encoder", "names an adopted model's method (`from_model`); "

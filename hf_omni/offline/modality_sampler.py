@@ -20,7 +20,6 @@ import logging
 import torch
 
 from ..dist import agreed, broadcast_from_main, is_main
-from .spec import class_encoders
 
 logger = logging.getLogger("hf_omni")
 
@@ -95,8 +94,7 @@ def modality_sampler(model, dataset, per_device_batch: int, world: int, seed: in
                      group=None) -> ModalityGroupedSampler:
     """The sampler for `dataset` and `model`'s entry points; the rows' modalities read by rank 0 and broadcast."""
 
-    columns = model.modality_columns() if hasattr(model, "modality_columns") else {  # adopted: its forward's
-        s.module: list(s.inputs) + [s.output] for s in class_encoders(type(model))}
+    columns = model.modality_columns()
     if not columns:
         raise ValueError("group_by_modality: the model has no @offline_encoder entry point, so no modality to group by")
     keys = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-
 RAGGED = ("tuple", "concat")
 
 
@@ -38,28 +37,15 @@ def class_encoders(cls) -> tuple[OfflineEncoder, ...]:
                                                                          None), OfflineEncoder))
 
 
-def encoder_function(model, spec: OfflineEncoder):
-    """What encodes `spec`'s inputs, without the cross-rank exchange: the `@offline_encoder` method's own body, or
-    an adopted model's released method (`adopt.offline`)."""
-    if hasattr(model, "released_encoder"):
-        return model.released_encoder(spec)
-    return functools.partial(getattr(type(model), spec.method).encoder_function, model)
-
-
-def encoder_code(model, spec: OfflineEncoder):
-    """The function whose source is part of a cache's fingerprint."""
-    if hasattr(model, "released_encoder"):
-        return getattr(type(model.released), spec.method)
-    return getattr(type(model), spec.method)
-
-
 def offline_encoders(model) -> dict[str, OfflineEncoder]:
-    """The encoders `model`'s class declares, by module (two for one module: an error); an adopted model's are
-    its modules' `offline_encoder` settings."""
-    if hasattr(model, "released_encoders"):
-        return model.released_encoders()
+    """The encoders of `model`, by module (`model.offline_encoder_specs()`: an adopted model's come from settings)."""
+    return model.offline_encoder_specs()
+
+
+def declared_encoders(cls) -> dict[str, OfflineEncoder]:
+    """The encoders a model class declares, by module (two for one module: an error)."""
     found: dict[str, OfflineEncoder] = {}
-    for spec in class_encoders(type(model)):
+    for spec in class_encoders(cls):
         if spec.module in found:
             raise ValueError(f"module {spec.module!r} has two offline encoders: {found[spec.module].method} and "
                              f"{spec.method}")

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .nesting import apply_order
 from ..compat import keep_output_recording
 from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
 from .mesh import Meshes, mesh_shape
+from .nesting import apply_order
 from .strategy import MODEL_SCOPE, STRATEGIES, Strategy
 from .tuning import apply_training_mode
 
@@ -74,8 +74,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped.
     `model_settings`: the top-level `fsdp_plugin` (`fsdp_scope: model`: the one wrap of the composed model)."""
     device = accelerator.device
-    if hasattr(model, "sync_parts"):  # an adopted model: submodules PEFT replaced, into the released model
-        model.sync_parts()
+    model.sync_parts()  # an adopted model: submodules PEFT replaced, into the released model
     live = [slot for slot in model.slots.values() if not slot.is_released]  # offline: on meta for good
     run_dtype = run_compute_dtype(accelerator)
     for slot in live:  # before anything is read, placed or wrapped (on the meta device too)
@@ -119,7 +118,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
             slot.wrapped(strategy)
             if strategy.collective:
                 prepared.strategies.append(strategy)
-    if getattr(model, "reduce_every_micro_step", False):  # adopted models: no accumulation window (`adopt.inputs`)
+    if model.reduce_every_micro_step:  # adopted models: no accumulation window (`adopt.inputs`)
         prepared.strategies = []
     for name, folder in shard_later.items():  # sharded on meta, then each rank reads its own share
         slot = model.slots[name]

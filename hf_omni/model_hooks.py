@@ -1,0 +1,35 @@
+"""What the driver, the checkpointer and offline encoding ask a composed model, with a composed model's answers; an
+adopted model (`adopt.model.AdoptedModel`) overrides them, so no other file checks which kind of model it has."""
+
+from __future__ import annotations
+
+import functools
+
+from .offline.spec import OfflineEncoder, class_encoders, declared_encoders
+
+
+class ModelHooks:
+    """The methods `OmniModel` answers for its own modules and an adopted model answers for its released one."""
+
+    reduce_every_micro_step = False  # its forward decides per batch which modules run: no accumulation window
+    released_folder: str | None = None  # a checkpoint's copy in a released model's own format, beside the modules
+    encoders_from_settings = False  # its offline encoders are named by `modules.<name>.offline_encoder`
+
+    def sync_parts(self) -> None:
+        """Before its modules are prepared: what freezing and LoRA replaced, into the model whose forward runs."""
+
+    def offline_encoder_specs(self) -> dict[str, OfflineEncoder]:
+        """Module -> its offline entry point: the `@offline_encoder` methods its class declares."""
+        return declared_encoders(type(self))
+
+    def offline_encoder_call(self, spec: OfflineEncoder):
+        """What encodes `spec`'s inputs, without the cross-rank exchange: the decorated method's own body."""
+        return functools.partial(getattr(type(self), spec.method).encoder_function, self)
+
+    def offline_encoder_code(self, spec: OfflineEncoder):
+        """The function whose source is part of an offline cache's fingerprint."""
+        return getattr(type(self), spec.method)
+
+    def modality_columns(self) -> dict[str, list[str]]:
+        """`group_by_modality`: each entry point's columns (a row carries a modality when it has them)."""
+        return {s.module: list(s.inputs) + [s.output] for s in class_encoders(type(self))}
