@@ -54,18 +54,16 @@ def build_module_scheduler(optimizer, margs: ModuleArguments, num_training_steps
 def build_optimizers(model, base_args: TrainingArguments, num_training_steps: int | None, scaler=None):
     """One optimizer and one scheduler per trainable module (its slot's resolved arguments), behind the
     composites."""
-    optimizers, schedulers = {}, {}
-    trainable = [name for name, slot in model.slots.items() if slot.trains]
-    for name in trainable:
-        margs = model.slots[name].args
-        optimizers[name] = build_module_optimizer(model.slots[name].module, margs, base_args)
+    trained = [slot for slot in model.slots.values() if slot.trains]
+    for slot in trained:  # each slot owns its optimizer and scheduler; the composites drive them
+        slot.optimizer = build_module_optimizer(slot.module, slot.args, base_args)
         try:
-            schedulers[name] = build_module_scheduler(optimizers[name], margs, num_training_steps)
+            slot.scheduler = build_module_scheduler(slot.optimizer, slot.args, num_training_steps)
         except ValueError as err:
-            raise OmniArgumentError(name, "lr_scheduler_type", f"{err} (pass num_training_steps to prepare)") from None
-    modules = {name: model.slots[name].module for name in trainable}
-    optimizer = ModuleOptimizers(optimizers, modules, scaler)
-    return optimizer, ModuleSchedulers(schedulers, optimizer)
+            raise OmniArgumentError(slot.name, "lr_scheduler_type",
+                                    f"{err} (pass num_training_steps to prepare)") from None
+    optimizer = ModuleOptimizers({s.name: s.optimizer for s in trained}, {s.name: s.module for s in trained}, scaler)
+    return optimizer, ModuleSchedulers({s.name: s.scheduler for s in trained}, optimizer)
 
 
 class ModuleOptimizers(torch.optim.Optimizer):

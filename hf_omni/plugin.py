@@ -28,12 +28,12 @@ from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
 from .dist import checkpoint_group, has_process_group
 from .errors import OmniArgumentError
+from .gradients import clip_grad_norms, fp16_scaler
 from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
-from .gradients import clip_grad_norms, fp16_scaler
 from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.checkpointing import check_checkpointed_modules
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
@@ -47,8 +47,7 @@ class OmniPlugin:
     of the slots: `module_args[name]` (resolved settings), `trainable`, `wrapped[name]` ("fsdp" | "ddp" | "none" |
     "offline"), `fsdp_plugins[name]` (one Accelerate `FullyShardedDataParallelPlugin` per FSDP-wrapped module;
     under `fsdp_scope: model` the one plugin of the composed model, keyed `"(model)"`), `meshes[name]`; and
-    `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's), `profile`.
-    """
+    `optimizer` / `scheduler` (composites over the trainable modules' own), `grad_norms` (last step's), `profile`."""
 
     def __init__(self, modules: dict | None = None, defaults: dict | None = None, *, output_dir: str | None = None,
                  args: OmniTrainingArguments | None = None):
@@ -66,7 +65,6 @@ class OmniPlugin:
         self.output_dir = output_dir  # a frozen module built in memory is written once under it (frozen/<module>/)
         self.optimizer: ModuleOptimizers | None = None
         self.scheduler: ModuleSchedulers | None = None
-        self.grad_norms: dict[str, torch.Tensor] = {}
         self.model: OmniModel | None = None  # the model `resolve` saw
         self.prepared: Prepared | None = None
         self.checkpointer: ModuleCheckpointer | None = None
@@ -89,6 +87,10 @@ class OmniPlugin:
 
     def _slots(self) -> dict:
         return self.model.slots if self.model is not None else {}
+
+    @property
+    def grad_norms(self) -> dict[str, torch.Tensor]:  # the last step's pre-clip norms, on the device
+        return {name: slot.grad_norm for name, slot in self._slots().items() if slot.grad_norm is not None}
 
     @property
     def module_args(self) -> dict[str, ModuleArguments]:
@@ -198,7 +200,9 @@ class OmniPlugin:
         combined pre-clip norm sqrt(sum of the modules' squared norms). DTensor-aware."""
         limits = {name: self.module_args[name].max_grad_norm for name in self.trainable}
         global_limit = (self.args.max_grad_norm or 0.0) if self.args.grad_clip_scope == "global" else None
-        self.grad_norms, total = clip_grad_norms(self.optimizer, limits, global_limit, self.prepared.device)
+        norms, total = clip_grad_norms(self.optimizer, limits, global_limit, self.prepared.device)
+        for name, norm in norms.items():
+            self.model.slots[name].grad_norm = norm  # each slot keeps its own
         return total
 
     def log_metrics(self) -> dict[str, float]:

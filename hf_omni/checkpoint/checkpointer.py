@@ -38,8 +38,8 @@ class ModuleCheckpointer:
                  show_progress: bool = True, timeout_s: float | None = None):
         self.model, self.show_progress = model, show_progress
         self.output_dir, self.save_async, self.verify = output_dir, save_async, verify
-        self.trainable = [name for name, slot in model.slots.items() if slot.trains]
-        self.states = {name: module_state.ModuleState(slot) for name, slot in model.slots.items()}
+        for slot in model.slots.values():
+            slot.checkpoint = module_state.ModuleState(slot)
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
         self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
         self._exit_hook = False
@@ -47,6 +47,15 @@ class ModuleCheckpointer:
         self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the writer thread's
         self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
         self.bases: dict[str, Base] = {}  # LoRA bases this run's checkpoints refer to (written once, or resumed)
+
+    @property
+    def trainable(self) -> list[str]:
+        return [name for name, slot in self.model.slots.items() if slot.trains]
+
+    @property
+    def states(self) -> dict[str, module_state.ModuleState]:
+        """Each module's checkpoint state (kept in its slot)."""
+        return {name: slot.checkpoint for name, slot in self.model.slots.items()}
 
     def base_folders(self) -> tuple[str, ...]:
         """The LoRA bases this run's checkpoints refer to (rotation keeps them)."""

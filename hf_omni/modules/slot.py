@@ -24,7 +24,10 @@ from ..config import ModuleEntry
 from .precision import Precision
 
 if TYPE_CHECKING:  # annotations only: the slot holds them, the layers above build them
+    import torch
+
     from ..arguments.module import ModuleArguments
+    from ..checkpoint.module_state import ModuleState
     from ..offline.spec import OfflineEncoder
     from ..parallel.strategy import Strategy
 
@@ -56,6 +59,10 @@ class ModuleSlot:
     strategy: "Strategy | None" = None  # WRAPPED: its strategy (none, ddp, fsdp, a registered one)
     encoder: "OfflineEncoder | None" = None  # `offline_modules`: its `@offline_encoder` spec
     precision: Precision | None = None  # when prepared: master / compute / loaded dtypes
+    optimizer: "torch.optim.Optimizer | None" = None  # trainable: its own optimizer (`optim.build_optimizers`)
+    scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None  # ... and its learning-rate scheduler
+    grad_norm: "torch.Tensor | None" = None  # its last step's pre-clip gradient norm, on the device (never read here)
+    checkpoint: "ModuleState | None" = None  # what its checkpoints keep beyond its tensors (plans, stager, base)
 
     @property
     def name(self) -> str:
