@@ -135,3 +135,19 @@ def test_each_allowed_circle_is_still_one(allowed):
     """An allowed circle that is gone is taken off the list."""
     assert allowed in circles(import_graph())
 
+
+
+def test_file_io_does_not_import_parallel():
+    """`modules/` and `checkpoint/` (file I/O) import nothing under `parallel/` (design.md section 3): what both need
+    about shares of tensors lives below them, in `shards/`."""
+    found = sorted(f"{path} -> {target}" for path, targets in import_graph().items()
+                   if path.startswith(("hf_omni/modules/", "hf_omni/checkpoint/"))
+                   for target in targets if target.startswith("hf_omni/parallel/"))
+    assert not found, "file I/O imports parallel/: " + "; ".join(found)
+
+
+def test_shards_import_neither_file_io_nor_parallel():
+    found = sorted(f"{path} -> {target}" for path, targets in import_graph().items() if path.startswith(
+        "hf_omni/shards/") for target in targets if target.startswith(
+        ("hf_omni/parallel/", "hf_omni/modules/", "hf_omni/checkpoint/")))
+    assert not found, "; ".join(found)

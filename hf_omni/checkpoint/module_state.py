@@ -21,7 +21,7 @@ import os
 import torch
 
 from ..modules.tensor_layout import file_layout, module_tensors
-from ..parallel.replicas import load_once
+from ..shards.replicas import load_once
 from .state_json import json_value, like
 
 STATE = "state"
