@@ -9,12 +9,13 @@ Who writes which bytes of a tensor written as is:
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
 A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first
-replica, from its source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time). Rank 0 writes the headers,
-the index, config.json (the dtype the module exports in), the generation config, the processor and the adapter
-config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a time (a derived
-group: its tensors; a tensor sharded off dim 0: its dim-0 shard, one tensor at a time when saving synchronously);
-nothing funnels the module through one rank. Files are opened without truncation: the caller
-removes stale weight files before any rank writes (`remove_weight_files`), and agrees on success after.
+replica, from its source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time). Rank 0
+writes the headers, the index, config.json (the dtype the module exports in), the generation config, the processor
+and the adapter config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a
+time (a derived group: its tensors; a tensor sharded off dim 0: also its dim-0 shard, one tensor at a time when
+saving synchronously, all of them until staged under an async save); nothing funnels the module through one rank.
+Files are opened without truncation: the caller removes stale weight files before any rank writes
+(`remove_weight_files`), and agrees on success after.
 """
 
 from __future__ import annotations

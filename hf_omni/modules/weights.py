@@ -44,10 +44,11 @@ def _castable(saved: torch.dtype | None, ours: torch.dtype) -> bool:
 def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "", dry_run: bool = False,
               skip: frozenset[str] = frozenset(), replicated: bool = False) -> list[str]:
     """Copy the tensors `folder`'s HF files hold (LoRA adapter beside them) into `module` in place, cast to each
-    tensor's own dtype; a sharded tensor reads only this rank's box of it (`shards.box.local_box`). Shapes (and integer dtypes) must match: the
-    error names module and tensor. Returns the tensors the files lack (`strict`: an error); `skip` are read
-    elsewhere. Under HSDP the first replica reads and sends; `replicated` (every rank calls this for a module every
-    rank holds whole): rank 0 reads and broadcasts (`shards.replicas.read_once`)."""
+    tensor's own dtype; a sharded tensor reads only this rank's box of it (`shards.box.local_box`: rows, columns).
+    Shapes (and integer dtypes) must match: the error names module and tensor. Returns the tensors the files lack
+    (`strict`: an error); `skip` are read elsewhere. Under HSDP the first replica reads and sends; `replicated`
+    (every rank calls this for a module every rank holds whole): rank 0 reads and broadcasts
+    (`shards.replicas.read_once`)."""
     weights = SafetensorsIndex.for_weights(weights_folder(folder))  # a LoRA base written apart: there
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)

@@ -88,7 +88,8 @@ def as_rows(tensor):
     other placements kept), anything else as is. A collective every rank of its mesh joins, in the same order; it
     costs one all-to-all of the tensor's shards (NCCL: each rank sends and receives about its shard's bytes) and one
     extra shard held while the result lives. gloo (CPU) has no all-to-all: torch all-gathers the tensor over the
-    shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on two dims is refused."""
+    shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on two dims
+    is refused."""
     if not sharded_off_rows(tensor):
         return tensor
     from torch.distributed.tensor import Shard
