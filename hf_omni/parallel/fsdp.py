@@ -97,6 +97,7 @@ class FsdpStrategy(Strategy):
 
     name = "fsdp"
     collective = True
+    shards = True
 
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):

@@ -3,7 +3,8 @@
 A strategy is applied to one module in place (the module keeps its class and methods) and is then kept in that
 module's slot: the driver asks it to turn gradient sync off inside accumulation windows, a checkpoint asks it for
 the module's full state, the missing-modality exchange asks whether its forward runs collectives. A new strategy
-is a file with a `Strategy` subclass registered with `@register`; nothing else names it.
+is a file with a `Strategy` subclass registered with `@register` (built in) or `hf_omni.register_strategy` (`registry`);
+nothing else names it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Strategy:
 
     name = ""
     collective = False  # its forward / backward runs collectives that every rank must enter
+    shards = False  # it shards parameters (DTensors): an `empty_init` module is sharded on meta, then read
 
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "Strategy":
