@@ -89,8 +89,8 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
     if scoped and live:  # the top-level parallelism (every module's)
         shapes[MODEL_SCOPE] = mesh_shape(None, live[0].args.parallelism, world_size())
     meshes = Meshes(device.type)
-    shard_later = {slot.name: slot.weights for slot in live
-                   if slot.is_pending and kinds[slot.name] == "fsdp" and not scoped}
+    shard_later = {slot.name: slot.weights for slot in live  # strategies that shard: on meta, then each its share
+                   if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
     for slot in live:  # empty_init, not sharded: read whole
         if slot.is_pending and slot.name not in shard_later:
             fill_module(slot.module, slot.weights, device, slot.name)
