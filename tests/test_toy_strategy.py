@@ -21,7 +21,8 @@ ATOL = 1e-5
 def two_ranks(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("toy_strategy")
     launch_ranks("mp_toy_strategy.py", str(out))
-    return torch.load(out / "toy.pt", weights_only=False)[0] | {"_dir": out}
+    everyone = torch.load(out / "toy.pt", weights_only=False)
+    return everyone[0] | {"_dir": out, "_ranks": everyone}
 
 
 def one_process(tmp_path, model, module_settings, steps):
@@ -80,6 +81,12 @@ def test_two_ranks_shard_columns(two_ranks):
 def test_box_and_dim0_view_of_uneven_shards_at_two_ranks(two_ranks):
     assert {(shape, dim) for shape, dim, *_ in two_ranks["boxes"]} >= {((5, 3), 1), ((3, 1), 1), ((2, 5, 3), 2)}
     assert all(box and rows for _, _, box, rows in two_ranks["boxes"]), two_ranks["boxes"]
+
+
+def test_replicas_of_a_column_shard_are_read_once(two_ranks):
+    """Under HSDP-style replicas (a 2 x 1 mesh) one replica reads a `Shard(1)` tensor, the other receives it."""
+    assert [r["replicas"]["read"] for r in two_ranks["_ranks"]] == [True, False]
+    assert all(r["replicas"]["equal"] for r in two_ranks["_ranks"])
 
 
 def test_two_ranks_equal_one_process_and_fsdp(two_ranks, tmp_path):

@@ -1,7 +1,7 @@
 """A toy parallel strategy, the recipe of docs/how_it_works.md "Add a strategy": FSDP2 with every parameter of 2+
-dims sharded on dim 1 (its columns, where they divide evenly: FSDP2 asks it) and 1-D ones on dim 0, over all ranks; one file plus one `register_strategy`
-call, `parallel: fsdp_dim1`. Importing this module registers it (tests, and launched scripts through
-`tests/` on their import path)."""
+dims sharded on dim 1 (its columns, where they divide evenly: FSDP2 asks it) and 1-D ones on dim 0, over all ranks;
+one file plus one `register_strategy` call, `parallel: fsdp_dim1`. Importing this module registers it (tests, and
+launched scripts through `tests/` on their import path)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """2 gloo ranks under the toy column-sharding strategy (tests/toy_strategy.py, `parallel: fsdp_dim1`), one launch:
-the box of uneven Shard(d) tensors and their dim-0 view; a run of 4 steps saving at 2 and 4 and exporting with LoRA
-merged; the same run under `parallel: fsdp`; a resume from its step-2 checkpoint; an `empty_init` run reading each
-rank's columns. Rank 0 writes OUT_DIR/toy.pt.
+the box of uneven Shard(d) tensors and their dim-0 view; replicas of a `Shard(1)` tensor read once; a run of 4 steps
+saving at 2 and 4 and exporting with LoRA merged; the same run under `parallel: fsdp`; a resume from its step-2
+checkpoint; an `empty_init` run reading each rank's columns. Rank 0 writes every rank's results to OUT_DIR/toy.pt.
 
 Usage: mp_toy_strategy.py OUT_DIR"""
 
@@ -38,6 +38,23 @@ def box_checks() -> list:
     return out
 
 
+def replica_checks() -> dict:
+    """HSDP-style replicas of a `Shard(1)` tensor on a (2 replicas, 1 shard) mesh: `read_once` has one replica read
+    it, the other receive it; {rank that read: bool, received equals the file value: bool}."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hf_omni.shards.box import copy_into, local_box
+    from hf_omni.shards.replicas import read_once
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    full = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    tensor = distribute_tensor(torch.zeros(3, 5), mesh, [Replicate(), Shard(1)])
+    read = []
+    read_once([tensor], lambda i: (read.append(i), copy_into(tensor, full[local_box(tensor)])), "replica check")
+    return {"read": bool(read), "equal": torch.equal(tensor.to_local(), full[local_box(tensor)])}
+
+
 class ReadLog:
     """(folder name, key, shape read, shape in the file) of every read of `SafetensorsIndex.read`."""
 
@@ -69,7 +86,7 @@ def main(out_dir):
     from accelerate import PartialState
 
     PartialState()  # the process group (gloo), before the box checks
-    results = {"world_size": dist.get_world_size(), "boxes": box_checks()}
+    results = {"world_size": dist.get_world_size(), "boxes": box_checks(), "replicas": replica_checks()}
     toy = trainer_for(os.path.join(out_dir, "toy"), "fsdp_dim1")
     toy.train()
     results["toy"] = (step_losses(toy), full_state(toy.model))
