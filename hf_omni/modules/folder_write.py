@@ -183,34 +183,39 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
     jobs = []  # (file, offset, local tensor rows, dtype)
     files, failed = Files(folder) if pipeline is None else None, []  # saved now: a redistributed share at once
-    for number, entry in enumerate(plan.entries):
-        if entry.source is None:
-            continue
-        source = tensors[entry.source]
-        spec = merge.get(entry.source) if merge else None
-        rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
-        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
-        if share is None:
-            continue
-        lo, hi, local, first = share
-        row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
-        values = local[lo - first:hi - first] if local.ndim else local
-        if spec is not None:
-            values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
-        job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
-        if not values.numel():
-            continue
-        if files is None or not any(sharded_off_rows(tensors[n]) for n in [entry.source, *rowed]):
-            jobs.append(job)
-        elif not failed:  # a share of a redistributed tensor: written now and let go (one extra shard at a time)
-            try:
-                write_tensor(files, *job)
-            except OSError as err:  # raised once every rank has joined every collective below
-                failed.append(err)
-    for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
-        derived = derived_tensors(module, plan, index, dtypes, solo)
-        for entry in (e for e in plan.entries if e.group == index and derived is not None):
-            jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    try:  # fds of shares written already are closed whatever fails
+        for number, entry in enumerate(plan.entries):
+            if entry.source is None:
+                continue
+            source = tensors[entry.source]
+            spec = merge.get(entry.source) if merge else None
+            rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
+            share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
+            if share is None:
+                continue
+            lo, hi, local, first = share
+            row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
+            values = local[lo - first:hi - first] if local.ndim else local
+            if spec is not None:
+                values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
+            job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
+            if not values.numel():
+                continue
+            if files is None or not any(sharded_off_rows(tensors[n]) for n in [entry.source, *rowed]):
+                jobs.append(job)
+            elif not failed:  # a share of a redistributed tensor: written now and let go (one extra shard at a time)
+                try:
+                    write_tensor(files, *job)
+                except OSError as err:  # raised once every rank has joined every collective below
+                    failed.append(err)
+        for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
+            derived = derived_tensors(module, plan, index, dtypes, solo)
+            for entry in (e for e in plan.entries if e.group == index and derived is not None):
+                jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    except BaseException:
+        if files is not None:
+            files.close()
+        raise
     main = solo or is_main()
 
     def write(values, files):
