@@ -54,9 +54,12 @@ evenly)."""
         if embed is not None:
             fully_shard(embed, **kwargs)
         fully_shard(module, **kwargs)
-        if self.lazy_init:  # else the driver initialises it once its shards are read
+        if self.lazy_init:  # else `after_read`, once its shards are read
             fsdp_lazy_init_root(module)
         self.module = module
+
+    def after_read(self, module: nn.Module) -> None:  # read after wrapping on meta (`lazy_init=False`)
+        fsdp_lazy_init_root(module)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         self.module.set_requires_gradient_sync(enabled)

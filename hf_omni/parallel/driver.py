@@ -22,7 +22,7 @@ from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
-from .fsdp import MODEL_SCOPE, FsdpStrategy, lazy_init_roots
+from .fsdp import MODEL_SCOPE, FsdpStrategy
 from .fsdp_settings import FsdpSettings
 from .mesh import Meshes, mesh_shape
 from .strategy import STRATEGIES, Strategy
@@ -128,5 +128,5 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSett
         if offload:  # ... and never moves buffers: they stay where compute runs, as after a placed module's wrap
             move_buffers(slot.module, device)
     for name in shard_later:  # once all are read: a root's lazy init covers the units nested in it (adopted models)
-        lazy_init_roots(model.slots[name].module)
+        model.slots[name].strategy.after_read(model.slots[name].module)
     return prepared

@@ -116,6 +116,9 @@ class FsdpStrategy(Strategy):
         self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
         self.module = module
 
+    def after_read(self, module: nn.Module) -> None:
+        lazy_init_roots(module)
+
     def set_gradient_sync(self, enabled: bool) -> None:
         """`reshard_after_backward: false` also keeps the units gathered inside the window; the last micro-step
         reshards them."""

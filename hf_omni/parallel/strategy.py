@@ -41,6 +41,10 @@ class Strategy:
     def apply(self, module: nn.Module, device: torch.device) -> None:
         """Wrap `module` in place (its class becomes a generated subclass; its methods keep working)."""
 
+    def after_read(self, module: nn.Module) -> None:
+        """After an `empty_init` module wrapped on meta (`lazy_init=False`) had its shares read, once every such
+        module is read: finish what wrapping left (FSDP2: its roots' lazy init)."""
+
     def set_gradient_sync(self, enabled: bool) -> None:
         """Off inside a gradient-accumulation window; on for its last micro-step."""
 
