@@ -96,8 +96,7 @@ class FsdpStrategy(Strategy):
     plugin. `lazy_init=False`: the module is on the meta device, filled after sharding (`fsdp_lazy_init_root` then)."""
 
     name = "fsdp"
-    collective = True
-    shards = True
+    collective = shards = True  # collectives in forward / backward; DTensor parameters
 
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):
@@ -235,7 +234,6 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
                 raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", (
                     f"{first[0]} and {tensor} are one tied parameter, but would lie in two FSDP units: wrap a layer "
                     "class that holds both, or untie them"))
-
 
 
 def is_sharded(module: nn.Module) -> bool:
