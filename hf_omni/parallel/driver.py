@@ -63,14 +63,15 @@ def apply_training_modes(slots: dict[str, ModuleSlot]) -> list[str]:
 
 def plan(slot: ModuleSlot, fsdp_scope: str) -> str:
     """No process group: every module runs as it is. Otherwise a trainable module as its `parallel` says; a fully
-    frozen one only when its own entry asks for `parallel: fsdp`; under `fsdp_scope: model`, all of them inside the
-    one wrap of the composed model."""
+    frozen one only when its own entry asks for a strategy that shards (`parallel: fsdp`, ...); under
+    `fsdp_scope: model`, all of them inside the one wrap of the composed model."""
     if not has_process_group():
         return "none"
     if fsdp_scope == "model":
         return "fsdp"
     margs = slot.args
-    return margs.parallel if slot.trains or (margs.parallel_from_module and margs.parallel == "fsdp") else "none"
+    return margs.parallel if slot.trains or (margs.parallel_from_module and STRATEGIES[margs.parallel].shards) \
+        else "none"
 
 
 def prepare_modules(accelerator, model, *, fsdp_scope: str, model_fsdp: FsdpSettings) -> Prepared:
