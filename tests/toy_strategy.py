@@ -11,7 +11,7 @@ from torch import nn
 from hf_omni import register_strategy
 from hf_omni.compat import fsdp_lazy_init_root, no_split_modules
 from hf_omni.modules.classes import embeddings_of
-from hf_omni.parallel.fsdp import full_state_dict
+from hf_omni.parallel.fsdp import full_state_dict, is_sharded
 from hf_omni.parallel.strategy import Strategy
 
 NAME = "fsdp_dim1"
@@ -51,7 +51,7 @@ evenly)."""
         for sub in [m for m in module.modules() if type(m).__name__ in blocks and m is not module]:
             fully_shard(sub, **kwargs)
         embed = embeddings_of(module)
-        if embed is not None:
+        if embed is not None and not is_sharded(embed):  # not inside a block already (ViTEmbeddings)
             fully_shard(embed, **kwargs)
         fully_shard(module, **kwargs)
         if self.lazy_init:  # else `after_read`, once its shards are read

@@ -1,6 +1,6 @@
 """2 gloo ranks under the toy column-sharding strategy (tests/toy_strategy.py, `parallel: fsdp_dim1`), one launch:
 the box of uneven Shard(d) tensors and their dim-0 view; replicas of a `Shard(1)` tensor read once; a run of 4 steps
-saving at 2 and 4 and exporting with LoRA merged; the same run under `parallel: fsdp`; a resume from its step-2
+saving at 2 and 4 (async) and exporting with LoRA merged; the same run under `parallel: fsdp`; a resume from its step-2
 checkpoint; an `empty_init` run reading each rank's columns. Rank 0 writes every rank's results to OUT_DIR/toy.pt.
 
 Usage: mp_toy_strategy.py OUT_DIR"""
@@ -79,7 +79,8 @@ def trainer_for(out_dir, parallel, model=None, steps=4, save=True, **overrides):
 
 
 def placements(module) -> dict:
-    return {name: str(p.placements) for name, p in module.named_parameters() if hasattr(p, "placements")}
+    """The placements of `module`'s matrices (2-D parameters)."""
+    return {name: str(p.placements) for name, p in module.named_parameters() if p.ndim == 2}
 
 
 def main(out_dir):
@@ -87,11 +88,11 @@ def main(out_dir):
 
     PartialState()  # the process group (gloo), before the box checks
     results = {"world_size": dist.get_world_size(), "boxes": box_checks(), "replicas": replica_checks()}
-    toy = trainer_for(os.path.join(out_dir, "toy"), "fsdp_dim1")
+    toy = trainer_for(os.path.join(out_dir, "toy"), "fsdp_dim1", save_async=True)  # checkpoints staged, then written
     toy.train()
     results["toy"] = (step_losses(toy), full_state(toy.model))
     results["wrapped"] = toy.plugin.wrapped
-    results["placements"] = {name: placements(getattr(toy.model, name)) for name in ("projector", "llm")}
+    results["placements"] = {name: placements(getattr(toy.model, name)) for name in ("vision", "projector", "llm")}
     toy.save_model(os.path.join(out_dir, "export"))
     fsdp = trainer_for(os.path.join(out_dir, "fsdp"), "fsdp", save=False)
     fsdp.train()
