@@ -13,6 +13,7 @@ from .modeling import OmniModel
 from .modules.classes import register_module_class
 from .modules.projector import Projector, ProjectorConfig
 from .offline.encoder import offline_encoder
+from .parallel.registry import register_strategy
 from .plugin import OmniPlugin
 from .trainer.trainer import OmniTrainer
 
@@ -21,4 +22,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
     "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder", "register_module_class",
+    "register_strategy",
 ]

@@ -15,6 +15,7 @@ from hf_omni.modules.expert_rows import read_rows, row_layout
 from hf_omni.modules.folder_plan import plan_folder
 from hf_omni.modules.tensor_layout import module_tensors
 from hf_omni.modules.weights import SafetensorsIndex, fill_module
+from hf_omni.shards.box import local_box
 
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1)
@@ -56,6 +57,49 @@ def test_each_row_is_read_from_its_own_files(saved):
             rows = torch.full((stop - start, *full.shape[1:]), float("nan"), dtype=full.dtype)
             read_rows(rows, layout, index, (start, stop))
             assert torch.equal(rows, full[start:stop]), (kind, name, start)
+
+
+class FakeMesh:
+    """Rank `rank` of `count` on a 1-D mesh (no process group needed by `shards.box`)."""
+
+    def __init__(self, rank, count):
+        self.rank, self.count = rank, count
+
+    def size(self, dim=None):
+        return self.count
+
+    def get_local_rank(self, dim=None):
+        return self.rank
+
+
+class Share:
+    """Duck-typed DTensor: what rank `rank` of `count` holds of a tensor of `shape` sharded on `dim`."""
+
+    def __init__(self, shape, dim, rank, count):
+        from torch.distributed.tensor import Shard
+
+        self.shape, self.ndim, self.placements = torch.Size(shape), len(shape), (Shard(dim),)
+        self.device_mesh = FakeMesh(rank, count)
+        self.local = torch.full([b.stop - b.start for b in local_box(self)], float("nan"))
+
+    def to_local(self):
+        return self.local
+
+
+def test_experts_sharded_on_an_inner_dim_read_their_box_of_each_row(saved):
+    """A fused experts tensor on `Shard(1)` / `Shard(2)` (3 ranks: uneven) reads each of its rows' files and keeps
+    its columns of them."""
+    kind, folder, loaded = saved
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    plan, names = fused_names(module)
+    index = SafetensorsIndex.for_weights(str(folder))
+    for name in names:
+        layout, full = row_layout(module, plan, name), loaded[name]
+        for dim in range(1, full.ndim):
+            for rank in range(3):
+                share = Share(full.shape, dim, rank, 3)
+                read_rows(share, layout, index)
+                assert torch.equal(share.local, full[local_box(share)]), (kind, name, dim, rank)
 
 
 def test_fill_module_reads_experts_without_transformers_full_copy(saved, monkeypatch):

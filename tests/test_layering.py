@@ -142,3 +142,20 @@ def test_parallel_imports_neither_adopt_nor_hub():
     found = sorted((src, dst) for src, dsts in import_graph().items() if src.startswith("hf_omni/parallel/")
                    for dst in dsts if dst.startswith(("hf_omni/adopt/", "hf_omni/hub/")))
     assert not found, found
+
+
+def test_file_io_does_not_import_parallel():
+    """`modules/` and `checkpoint/` (file I/O) import nothing under `parallel/` but the `Strategy` interface the slot
+    is typed with (design.md section 3): what both need about shares of tensors lives below them, in `shards/`."""
+    found = sorted(f"{path} -> {target}" for path, targets in import_graph().items()
+                   if path.startswith(("hf_omni/modules/", "hf_omni/checkpoint/"))
+                   for target in targets if target.startswith("hf_omni/parallel/")
+                   and target != "hf_omni/parallel/strategy.py")
+    assert not found, "file I/O imports parallel/: " + "; ".join(found)
+
+
+def test_shards_import_neither_file_io_nor_parallel():
+    found = sorted(f"{path} -> {target}" for path, targets in import_graph().items() if path.startswith(
+        "hf_omni/shards/") for target in targets if target.startswith(
+        ("hf_omni/parallel/", "hf_omni/modules/", "hf_omni/checkpoint/")))
+    assert not found, "; ".join(found)

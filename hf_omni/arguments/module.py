@@ -94,9 +94,8 @@ class ModuleArguments:
                                          top_level="module_activation_checkpointing")
     activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "
                                                 "use_reentrant: false)", nullable=True)
-    parallel: str = key("ddp", (str,), "`fsdp`, `ddp`, `none` or a registered strategy: how the module is wrapped "
-                        "under a process group",
-                        choices=strategy_names)
+    parallel: str = key("ddp", (str,), "`fsdp`, `ddp`, `none` or a name given to `hf_omni.register_strategy`: how "
+                        "the module is wrapped under a process group", choices=strategy_names)
     fsdp_plugin: dict = key({}, (dict,), "FsdpSettings for a `parallel: fsdp` module (merged key by key)",
                             nullable=True, check=_check_fsdp)
     parallelism: dict | None = key(None, (dict,), "a `parallel: fsdp` module's mesh, Accelerate's ParallelismConfig "

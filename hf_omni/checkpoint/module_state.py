@@ -24,7 +24,7 @@ from ..dist import checkpoint_group
 from ..modules.folder_plan import plan_folder
 from ..modules.lora_base import has_fixed_base
 from ..modules.tensor_layout import file_layout, module_tensors
-from ..parallel.replicas import load_once
+from ..shards.replicas import load_once
 from .shard_reader import ShardReader
 from .shard_writer import ShardWriter
 from .state_json import json_value, like

@@ -8,7 +8,8 @@ comes out under each key of row 0 says where that file tensor's elements go in t
 of row 0 with the row index replaced, checked against every key the plan expects. A rank then reads, for each row
 it holds, that row's file tensors only (whole: they are that row's alone) and places them. A conversion that does
 not act row by row (its keys do not follow the rows, or the positions are not a permutation of the row) is left to
-transformers' loading. Costs while tracing: one row of positions (int32) per fused tensor.
+transformers' loading. Costs while tracing: one row of positions (int32) per fused tensor; a tensor sharded on
+another dim than the rows (`Shard(1)`, ...) also holds one whole row while placing its box of that row.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch import nn
 
 from .folder_plan import FolderPlan, plan_folder, weights_keys
 from .lora_base import weights_folder
+from ..shards.box import local_box, local_of
+from ..shards.replicas import read_once
 from .safetensors_index import SafetensorsIndex
-from .shard_rows import local_rows
 from .tensor_layout import module_tensors
 
 Placement = tuple[int, int] | torch.Tensor  # (first position, count) of a contiguous run, or every position
@@ -72,34 +74,36 @@ def row_key(key: str, segment: int, row: int) -> str:
 
 
 @torch.no_grad()
-def read_rows(tensor, layout: tuple[int, dict[str, Placement]], weights, rows: tuple[int, int]) -> None:
-    """Fill this rank's rows [start, stop) of `tensor` (its local shard, or the whole tensor) from `weights`
-    (`weights.SafetensorsIndex`), one row's file tensors at a time."""
+def read_rows(tensor, layout: tuple[int, dict[str, Placement]], weights, rows: tuple[int, int] | None = None) -> None:
+    """Fill this rank's box of `tensor` (a DTensor's local shard, or the whole tensor; `rows`: a plain tensor holding
+    rows [start, stop)) from `weights` (`weights.SafetensorsIndex`), one row's file tensors at a time."""
     segment, placements = layout
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    for row in range(*rows):
-        flat = local[row - rows[0]].view(-1)
+    local = local_of(tensor)
+    box = local_box(tensor) or (slice(*(rows or (0, tensor.shape[0]))), *(slice(0, n) for n in tensor.shape[1:]))
+    whole = all(b.stop - b.start == n for b, n in zip(box[1:], tensor.shape[1:]))
+    for row in range(box[0].start, box[0].stop):
+        target = local[row - box[0].start]
+        flat = (target if whole else torch.empty(tensor.shape[1:], dtype=local.dtype, device=local.device)).view(-1)
         for key, where in placements.items():
             value = weights.read(row_key(key, segment, row)).reshape(-1).to(flat.dtype)
             if isinstance(where, tuple):
                 flat[where[0]:where[0] + where[1]].copy_(value)
             else:
                 flat[where.long()] = value
+        if not whole:  # the row's box on this rank (its columns)
+            target.copy_(flat.view(tensor.shape[1:])[box[1:]])
 
 
 @torch.no_grad()
 def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_name: str) -> list[str]:
     """The tensors `names` transformers fuses on load (MoE experts), each rank its own rows, read row by row from
     the files of those rows alone (`expert_rows`); returns the names whose conversion is not row by row."""
-    from ..parallel.replicas import read_once
-
     plan, tensors = plan_folder(module), module_tensors(module)
     layouts = [(name, row_layout(module, plan, name)) for name in names]
     layouts = [(name, layout) for name, layout in layouts if layout is not None]
     if layouts:
         index = SafetensorsIndex.for_weights(weights_folder(folder))
         read_once([tensors[name] for name, _ in layouts], lambda i: read_rows(
-            tensors[layouts[i][0]], layouts[i][1], index, local_rows(tensors[layouts[i][0]]) or
-            (0, tensors[layouts[i][0]].shape[0])), f"module {module_name!r}: reading {folder}")
+            tensors[layouts[i][0]], layouts[i][1], index), f"module {module_name!r}: reading {folder}")
     done = {name for name, _ in layouts}
     return [name for name in names if name not in done]

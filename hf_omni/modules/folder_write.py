@@ -2,16 +2,20 @@
 
 Who writes which bytes of a tensor written as is:
 - sharded on dim 0 (FSDP2): the ranks holding a shard write its rows; under HSDP the R replicas of a shard each
-  write 1/R of its rows;
+  write 1/R of its rows; sharded on another dim (`Shard(d)`, d > 0): the files are row-major, so it is first
+  redistributed to dim-0 shards (`shards.box.as_rows`: one all-to-all per such tensor, every rank of its mesh in
+  plan order, each sending and receiving about its shard's bytes), then written as one sharded on dim 0;
 - held whole by every rank (DDP, frozen, no process group): its rows are split over the ranks, a small one
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
 A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first
-replica, from its source tensors gathered there (`dist.gather`, one tensor at a time). Rank 0 writes the headers,
-the index, config.json (the dtype the module exports in), the generation config, the processor and the adapter
-config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a time (a derived
-group: its tensors); nothing funnels the module through one rank. Files are opened without truncation: the caller
-removes stale weight files before any rank writes (`remove_weight_files`), and agrees on success after.
+replica, from its source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time). Rank 0
+writes the headers, the index, config.json (the dtype the module exports in), the generation config, the processor
+and the adapter config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a
+time (a derived group: its tensors; a tensor sharded off dim 0: also its dim-0 shard, one tensor at a time when
+saving synchronously, all of them until staged under an async save); nothing funnels the module through one rank.
+Files are opened without truncation: the caller removes stale weight files before any rank writes
+(`remove_weight_files`), and agrees on success after.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group, is_main
+from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
+from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .lora_merge import full, merged_rows
-from .shard_rows import local_rows
 from .tensor_layout import module_tensors
 
-PIECE = 64 * 2**20  # bytes converted and written at a time
 SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank
 
 
@@ -80,14 +84,17 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
             ) -> tuple[int, int, Any, int] | None:
     """The rows [lo, hi) of `tensor` (its `number`-th entry in the plan) this rank writes, with the local tensor
     they are read from and the global row of its row 0; None: nothing. `solo`: this process writes everything.
-    A `buffer` not sharded is rank 0's (BatchNorm statistics may differ between ranks: a checkpoint holds rank 0's)."""
+    A `buffer` not sharded is rank 0's (BatchNorm statistics may differ between ranks: a checkpoint holds rank 0's).
+    A tensor sharded off dim 0 is redistributed to dim-0 shards first (`as_rows`: every rank of its mesh calls this
+    for it, in plan order)."""
     rank, world = _rank_world(solo)
     rows = tensor.shape[0] if tensor.ndim else 1
     if _sharded(tensor):
+        tensor = as_rows(tensor)
         start, stop = local_rows(tensor)
         lo, hi = _chunk(start, stop, *_replica(tensor))
         return (lo, hi, tensor.to_local(), start) if hi > lo else None
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_of(tensor)
     if buffer:
         return (0, rows, local, 0) if rank == 0 else None
     if world == 1 or tensor.ndim == 0 or rows < world or nbytes < SMALL:
@@ -96,41 +103,18 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
     return (lo, hi, local, 0) if hi > lo else None
 
 
-def _bytes(tensor: torch.Tensor, dtype: torch.dtype):
-    piece = tensor.detach().to("cpu", dtype).contiguous().reshape(-1)
-    return piece.view(torch.uint8).numpy()
-
-
-class Files:
-    """Open file descriptors of a folder's files (created, never truncated), written with `pwrite`."""
-
-    def __init__(self, folder: str):
-        self.folder, self.fds = folder, {}
-
-    def write(self, name: str, offset: int, data) -> None:
-        if name not in self.fds:
-            self.fds[name] = os.open(os.path.join(self.folder, name), os.O_WRONLY | os.O_CREAT, 0o644)
-        view, done = memoryview(data).cast("B"), 0
-        while done < len(view):
-            done += os.pwrite(self.fds[name], view[done:], offset + done)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self.fds = {}
-
-
 def gather_to(tensor, writer: int):
     """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
-    group only; a whole one is the writer's own."""
+    group only (a shard on another dim redistributed to dim 0 first, over that group: `as_rows`); a whole one is
+    the writer's own."""
     import torch.distributed as dist
 
     if not _sharded(tensor):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_of(tensor)
         return local if _rank_world()[0] == writer else None
     from torch.distributed.tensor import Shard
 
+    tensor = as_rows(tensor)
     mesh = tensor.device_mesh
     dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
     group = mesh.get_group(dim)
@@ -198,47 +182,58 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     buffers = {name for name, _ in module.named_buffers()} | set(main_only)  # rank 0's
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
     jobs = []  # (file, offset, local tensor rows, dtype)
-    for number, entry in enumerate(plan.entries):
-        if entry.source is None:
-            continue
-        share = my_rows(tensors[entry.source], number, entry.nbytes, solo, entry.source in buffers)
-        if share is None:
-            continue
-        lo, hi, local, first = share
-        rows = tensors[entry.source].shape[0] if entry.shape else 1
-        row_bytes = entry.nbytes // max(rows, 1)
-        values = local[lo - first:hi - first] if local.ndim else local
-        if merge and entry.source in merge:
-            values = merged_rows(values, lo, hi, merge[entry.source], tensors, lora_a)
-        if values.numel():
-            jobs.append((entry.file, entry.offset + lo * row_bytes, values, entry.dtype))
-    for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
-        derived = derived_tensors(module, plan, index, dtypes, solo)
-        for entry in (e for e in plan.entries if e.group == index and derived is not None):
-            jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    files, failed = Files(folder) if pipeline is None else None, []  # saved now: a redistributed share at once
+    try:  # fds of shares written already are closed whatever fails
+        for number, entry in enumerate(plan.entries):
+            if entry.source is None:
+                continue
+            source = tensors[entry.source]
+            spec = merge.get(entry.source) if merge else None
+            rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
+            share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
+            if share is None:
+                continue
+            lo, hi, local, first = share
+            row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
+            values = local[lo - first:hi - first] if local.ndim else local
+            if spec is not None:
+                values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
+            job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
+            if not values.numel():
+                continue
+            if files is None or not any(sharded_off_rows(tensors[n]) for n in [entry.source, *rowed]):
+                jobs.append(job)
+            elif not failed:  # a share of a redistributed tensor: written now and let go (one extra shard at a time)
+                try:
+                    write_tensor(files, *job)
+                except OSError as err:  # raised once every rank has joined every collective below
+                    failed.append(err)
+        for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
+            derived = derived_tensors(module, plan, index, dtypes, solo)
+            for entry in (e for e in plan.entries if e.group == index and derived is not None):
+                jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    except BaseException:
+        if files is not None:
+            files.close()
+        raise
     main = solo or is_main()
 
-    def write(values):
+    def write(values, files):
         os.makedirs(folder, exist_ok=True)
-        files = Files(folder)
         try:
+            if failed:
+                raise failed[0]
             if main:
                 for name, head in plan.files.items():
                     files.write(name, 0, head)
                 write_metadata(module, folder, plan, processor, dtype, base)
             for (name, offset, _, target), tensor in zip(jobs, values):
-                if tensor.ndim == 0:
-                    files.write(name, offset, _bytes(tensor, target))
-                    continue
-                row_bytes = tensor[0].numel() * target.itemsize
-                rows = max(1, PIECE // max(1, row_bytes))
-                for start in range(0, tensor.shape[0], rows):
-                    files.write(name, offset + start * row_bytes, _bytes(tensor[start:start + rows], target))
+                write_tensor(files, name, offset, tensor, target)
         finally:
             files.close()
 
     if pipeline is None:
-        return write([values for _, _, values, _ in jobs])
+        return write([values for _, _, values, _ in jobs], files)
     staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)},
                                prefix=os.path.basename(folder) + "/")
-    pipeline.then(lambda: write([staged()[str(i)] for i in range(len(jobs))]), f"writing {folder}")
+    pipeline.then(lambda: write([staged()[str(i)] for i in range(len(jobs))], Files(folder)), f"writing {folder}")

@@ -1,7 +1,8 @@
 """Merging LoRA into an export row by row, on the ranks that hold the rows: a merged weight is W + scaling · B A,
 and rows [lo, hi) of it need only rows [lo, hi) of W and of B (sharded alike on dim 0) and the whole of A (r rows:
 small, gathered once per layer). So `save_pretrained(merge_lora=True)` / `merge_lora_on_export` keep the bound of
-every other save: no rank holds the module.
+every other save: no rank holds the module. W or B sharded on another dim (`Shard(1)`) is redistributed to dim-0
+shards first, by every rank in plan order (`folder_write`; `shards.box.as_rows`: one all-to-all per tensor).
 
 Row by row, as PEFT's `merge_and_unload` computes them (its dtypes and casts): plain LoRA and rsLoRA on
 `nn.Linear` layers; DoRA (row r scaled by m_r / ||W_r + ΔW_r||: the norm is over the row, so a rank needs only its
@@ -92,7 +93,10 @@ def full(tensor) -> torch.Tensor:
 
 def rows_of(tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows [lo, hi) of a tensor from this rank's part of it (a dim-0 shard holding them, or the whole tensor)."""
-    from .shard_rows import local_rows
+    from ..shards.box import local_rows, sharded_off_rows
+
+    if sharded_off_rows(tensor):
+        raise ValueError("rows_of takes dim-0 shards: redistribute it first (`shards.box.as_rows`)")
 
     first = (local_rows(tensor) or (0, 0))[0]
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor

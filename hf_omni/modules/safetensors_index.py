@@ -74,8 +74,9 @@ class SafetensorsIndex:
                 return str(dtype).removeprefix("torch.")
         return None
 
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The whole tensor, or only rows [start, stop) of dim 0 (read from disk alone)."""
-        if rows is None:
+    def read(self, key: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The whole tensor, or only its `box` (one slice per dim, `shards.box.local_box`: rows of a dim-0 shard,
+        columns of a dim-1 one), read from disk alone."""
+        if box is None:
             return self._slice(key, whole=True)
-        return self._slice(key)[rows[0]:rows[1]]
+        return self._slice(key)[tuple(box)] if box else self._slice(key, whole=True)

@@ -10,7 +10,8 @@ serves fused MoE experts row by row (`expert_rows`: each rank the files of its o
 through transformers' own loading (`read_through_transformers`).
 
 `empty_init` (`fill_module`): a module that will be sharded is sharded first (on meta), then every rank allocates
-its own shards and reads just those rows (`get_slice`): no rank holds a full copy, no communication.
+its own shards and reads just its box of each tensor (`get_slice`; rows, or columns of a `Shard(1)` tensor): no rank
+holds a full copy, no communication.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors
+from ..shards.box import box_of, copy_into, local_box
+from ..shards.replicas import read_once, readers
 from .classes import original_class
 from .empty_init import materialize
 from .expert_rows import read_fused_rows
@@ -28,7 +31,6 @@ from .folder_plan import ADAPTER
 from .lora import ADAPTER_WEIGHTS, base_key, has_adapter, lora_config_of
 from .lora_base import weights_folder
 from .safetensors_index import SafetensorsIndex
-from .shard_rows import copy_rows, local_rows
 from .tensor_layout import file_layout, module_tensors
 
 logger = logging.getLogger(__name__)
@@ -42,10 +44,11 @@ def _castable(saved: torch.dtype | None, ours: torch.dtype) -> bool:
 def read_into(module: nn.Module, folder: str, strict: bool = False, module_name: str = "", dry_run: bool = False,
               skip: frozenset[str] = frozenset(), replicated: bool = False) -> list[str]:
     """Copy the tensors `folder`'s HF files hold (LoRA adapter beside them) into `module` in place, cast to each
-    tensor's own dtype; a sharded tensor reads only this rank's rows. Shapes (and integer dtypes) must match: the
-    error names module and tensor. Returns the tensors the files lack (`strict`: an error); `skip` are read
-    elsewhere. Under HSDP the first replica reads and sends; `replicated` (every rank calls this for a module every
-    rank holds whole): rank 0 reads and broadcasts (`parallel.replicas.read_once`)."""
+    tensor's own dtype; a sharded tensor reads only this rank's box of it (`shards.box.local_box`: rows, columns).
+    Shapes (and integer dtypes) must match: the error names module and tensor. Returns the tensors the files lack
+    (`strict`: an error); `skip` are read elsewhere. Under HSDP the first replica reads and sends; `replicated`
+    (every rank calls this for a module every rank holds whole): rank 0 reads and broadcasts
+    (`shards.replicas.read_once`)."""
     weights = SafetensorsIndex.for_weights(weights_folder(folder))  # a LoRA base written apart: there
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)
@@ -64,10 +67,8 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
         raise ValueError(f"module {module_name!r}: {folder} cannot restore {len(missing)} tensors {missing[:5]}")
     check_shapes(plan, module_name, folder, replicated, agree=not dry_run)
     if not dry_run:
-        from ..parallel.replicas import read_once
-
-        read_once([tensor for tensor, *_ in plan], lambda i: copy_rows(plan[i][0], plan[i][1].read(
-            plan[i][2], local_rows(plan[i][0]))), f"module {module_name!r}: reading {folder}", replicated)
+        read_once([tensor for tensor, *_ in plan], lambda i: copy_into(plan[i][0], plan[i][1].read(
+            plan[i][2], local_box(plan[i][0]))), f"module {module_name!r}: reading {folder}", replicated)
     return missing
 
 
@@ -76,7 +77,6 @@ def check_shapes(plan: list, module_name: str, folder: str, replicated: bool, ag
     (others open no file for it); when some ranks check less, they all agree on the outcome before reading
     (`agree`; a dry run is inside the caller's own agreement, which nothing may precede on one rank alone)."""
     from ..dist import agreed, checkpoint_group
-    from ..parallel.replicas import readers
 
     mine, split = readers([tensor for tensor, *_ in plan], replicated)
 
@@ -109,8 +109,7 @@ def read_through_transformers(module: nn.Module, folder: str, names: list[str], 
         if value is None or tuple(value.shape) != tuple(tensor.shape):
             left.append(name)
             continue
-        rows = local_rows(tensor)
-        copy_rows(tensor, value if rows is None else value[rows[0]:rows[1]])
+        copy_into(tensor, box_of(value, tensor))
     logger.info("hf_omni: module %r: %d tensors read through transformers' loading from %s", module_name,
                 len(names) - len(left), folder)
     return left

@@ -3,6 +3,5 @@ registered by name and applied by the ordered `driver`, on per-module device mes
 package registers the strategies."""
 
 from . import ddp, fsdp, none  # noqa: F401 (each registers its strategy)
-from .strategy import (  # noqa: F401
-    STRATEGIES, Strategy, check_settings, settings_owner, settings_tables, strategy_names,
-)
+from .registry import register_strategy  # noqa: F401
+from .strategy import strategy_names  # noqa: F401

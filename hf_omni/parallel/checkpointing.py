@@ -1,10 +1,10 @@
 """`activation_checkpointing` of one module, through the released classes' own checkpointing (transformers' per-layer
 `activation_checkpointing_enable`).
 
-A composed module is one `PreTrainedModel`: its own. An adopted model's module (a `modules.units.RootedModule`) is a container
-of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel` supporting it (LLaVA's
-`model.language_model`), else the outermost such models inside the root, checkpoint their own layers; a root with
-none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module: its layers keep their own
+A composed module is one `PreTrainedModel`: its own. An adopted model's module (a `modules.units.RootedModule`) is a
+container of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel` supporting
+it (LLaVA's `model.language_model`), else the outermost such models inside the root, checkpoint their own layers; a
+root with none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module: its layers keep their own
 setting. Nothing to checkpoint in the whole module is refused, naming the module and key, before any compute.
 """
 

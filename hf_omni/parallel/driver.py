@@ -60,8 +60,8 @@ def apply_training_modes(slots: dict[str, ModuleSlot]) -> list[str]:
 
 def plan(slot: ModuleSlot, fsdp_scope: str) -> str:
     """No process group: every module runs as it is. Otherwise a trainable module as its `parallel` says; a fully
-    frozen one only when its own entry asks for `parallel: fsdp`; under `fsdp_scope: model`, all of them inside the
-    one wrap of the composed model."""
+    frozen one only when its own entry asks for a strategy that shards (`parallel: fsdp`, ...); under
+    `fsdp_scope: model`, all of them inside the one wrap of the composed model."""
     if not has_process_group():
         return "none"
     if fsdp_scope == "model":
@@ -86,7 +86,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     if scoped and live:  # the top-level parallelism (every module's)
         shapes[MODEL_SCOPE] = mesh_shape(None, live[0].args.parallelism, world_size())
     meshes = Meshes(device.type)
-    shard_later = {slot.name: slot.weights for slot in live
+    shard_later = {slot.name: slot.weights for slot in live  # strategies that shard: on meta, then each its share
                    if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
     for slot in live:  # empty_init, not sharded: read whole
         if slot.is_pending and slot.name not in shard_later:

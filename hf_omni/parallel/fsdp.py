@@ -197,7 +197,6 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
                     "class that holds both, or untie them"))
 
 
-
 def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 

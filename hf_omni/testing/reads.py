@@ -15,8 +15,8 @@ def count_reads() -> dict:
     counter = {"bytes": 0}
     read = weights.SafetensorsIndex.read
 
-    def counted_read(self, key, rows=None):
-        out = read(self, key, rows)
+    def counted_read(self, key, box=None):
+        out = read(self, key, box)
         counter["bytes"] += out.numel() * out.element_size()
         return out
 

@@ -3,7 +3,8 @@ i mod R over the replicate dimension, so the R replicas share the reading — an
 dimension (one broadcast per tensor), instead of R replicas reading the same rows. A mesh with several replicate
 dimensions has its first replica read everything. Plain tensors among them (buffers, step counts) are small and
 read by every rank. A module every rank holds whole (DDP) is read by rank 0 and broadcast. For a module replicated
-nowhere (full shard, one process) nothing changes.
+nowhere (full shard, one process) nothing changes. A shard is whatever box its `Shard(dim)` placement gives
+(`box.local_box`: rows, columns, ...): the replicas of one shard hold the same box, so it is sent as is.
 
 Every rank of a module's mesh must call these with the same tensors in the same order; the readers agree that they
 read before any broadcast, so a reader that fails raises on every rank instead of leaving one waiting.
@@ -30,7 +31,7 @@ def owner(index: int, tensor) -> int:
 
 
 def reads(index: int, tensor) -> bool:
-    """Whether this rank reads tensor `index`'s rows itself (every rank for a tensor with no replicas)."""
+    """Whether this rank reads tensor `index`'s share itself (every rank for a tensor with no replicas)."""
     dims = _replicate_dims(tensor)
     if len(dims) == 1:
         return tensor.device_mesh.get_local_rank(dims[0]) == owner(index, tensor)
