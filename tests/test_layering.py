@@ -173,3 +173,34 @@ def test_shards_import_neither_file_io_nor_parallel():
         "hf_omni/shards/") for target in targets if target.startswith(
         ("hf_omni/parallel/", "hf_omni/modules/", "hf_omni/checkpoint/")))
     assert not found, "; ".join(found)
+
+
+# The layers, top to bottom: a file imports files of its own layer or below, never above (design.md section 3).
+LAYERS = [
+    ("trainer", "cli"),
+    ("plugin",),
+    ("optim", "profile", "module_bytes", "testing"),
+    ("adopt",),
+    ("modeling", "arguments"),
+    ("parallel", "hub", "model_hooks"),
+    ("offline",),
+    ("checkpoint",),
+    ("modules", "gradients"),
+    ("shards",),
+    ("compat", "dist", "config", "errors", "keys", "dtypes", "progress"),
+]
+
+
+def _layer(path: str) -> int:
+    parts = path.split("/")
+    name = parts[1] if len(parts) > 2 else parts[1].removesuffix(".py")
+    return next(i for i, names in enumerate(LAYERS) if name in names)
+
+
+def test_every_import_runs_down_the_layers():
+    graph = import_graph()
+    every = {path.split("/")[1] if path.count("/") > 1 else path.split("/")[1].removesuffix(".py") for path in graph}
+    assert every - {"__init__"} <= {name for names in LAYERS for name in names}, "a package is in no layer"
+    upward = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                    if not src.endswith("__init__.py") and _layer(dst) < _layer(src))
+    assert not upward, "imports that run up the layers: " + "; ".join(upward)
