@@ -9,13 +9,17 @@ import functools
 import os
 
 from ..dist import agreed, checkpoint_group, is_main
+from ..modules.folder_plan import plan_folder
+from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
+from ..modules.lora import lora_config_of
+from ..modules.lora_merge import row_merge_plan
+from ..modules.tensor_layout import module_tensors
+from ..modules.weights import fill_module
 
 
 def merge_plan(model) -> dict | None:
     """The row-by-row LoRA merge of every module with an adapter (`lora_merge.row_merge_plan`), keyed by the
     released model's tensor names (a module's names are the released model's)."""
-    from ..modules.lora import lora_config_of
-    from ..modules.lora_merge import row_merge_plan
 
     merge = {}
     for name, slot in model.slots.items():
@@ -35,10 +39,6 @@ def export_original(model, folder: str, is_main_process: bool, max_shard_size) -
     from its recorded source, on the CPU, and drops it after the write (one read of the module's files per save,
     one process holding it meanwhile: a frozen tower, never what every rank holds or reads)."""
     import torch
-
-    from ..modules.folder_write import has_shards
-    from ..modules.tensor_layout import module_tensors
-    from ..modules.weights import fill_module
 
     offline = [slot for slot in model.slots.values() if slot.is_released]
     ids = {id(t) for slot in offline for t in module_tensors(slot.module).values()}
@@ -63,9 +63,6 @@ def export_original(model, folder: str, is_main_process: bool, max_shard_size) -
 
 
 def write_original(model, folder: str, is_main_process: bool, max_shard_size, main_only: frozenset) -> None:
-    from ..modules.folder_plan import plan_folder
-    from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
-
     released = model.released
     dtypes = {k: v for slot in model.slots.values() for k, v in slot.export_dtypes.items()}
     merge = merge_plan(model)
@@ -90,8 +87,6 @@ def module_folder_root(model, name: str):
     """The one `PreTrainedModel` module `name` is, or an error saying why it has no folder of its own."""
     from transformers import PreTrainedModel
 
-    from ..modules.lora import lora_config_of
-
     if name not in model.slots:
         raise ValueError(f"module_folders: {name!r} is not a module of the adopted model {model.module_names}")
     slot = model.slots[name]
@@ -110,8 +105,6 @@ def module_folder_root(model, name: str):
 def export_module_folders(model, directory: str, names: list[str], is_main_process: bool, max_shard_size) -> None:
     """`<directory>/<module>/`: each named module as the HF folder of its `PreTrainedModel` (its class's own
     `save_pretrained` format, loadable alone), written as a composed model's modules are."""
-    from ..modules.folder_plan import plan_folder
-    from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
 
     chosen = [module_folder_root(model, name) for name in names]  # every refusal before anything is written
     for slot, root in chosen:

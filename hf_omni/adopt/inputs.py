@@ -10,12 +10,13 @@ its forward skipped at the window's last micro-step would otherwise keep gradien
 
 from __future__ import annotations
 
+from ..dist import all_gather_host, checkpoint_group
 from ..offline.exchange import given  # not None and not 0 rows (0 images)
+
 
 def check_same_inputs(names: list[str], bound: dict, modules: list[str]) -> None:
     """Every rank was given the same of the released forward's arguments `names`, or every rank raises the same
     error naming the arguments, the ranks and the fix."""
-    from ..dist import all_gather_host, checkpoint_group
 
     mine = [[int(given(bound.get(name))) for name in names]]
     everyone = [rows[0] for rows in all_gather_host(mine, checkpoint_group())]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..shards.box import local_rows, sharded_off_rows
 from .lora import lora_config_of
 
 
@@ -93,7 +94,6 @@ def full(tensor) -> torch.Tensor:
 
 def rows_of(tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows [lo, hi) of a tensor from this rank's part of it (a dim-0 shard holding them, or the whole tensor)."""
-    from ..shards.box import local_rows, sharded_off_rows
 
     if sharded_off_rows(tensor):
         raise ValueError("rows_of takes dim-0 shards: redistribute it first (`shards.box.as_rows`)")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors
+from ..dist import agreed, checkpoint_group
 from ..shards.box import box_of, copy_into, local_box
 from ..shards.replicas import read_once, readers
 from .classes import original_class
@@ -76,7 +77,6 @@ def check_shapes(plan: list, module_name: str, folder: str, replicated: bool, ag
     """Each (tensor, file index, key, name) of `plan` against its file's header, by the ranks that will read it
     (others open no file for it); when some ranks check less, they all agree on the outcome before reading
     (`agree`; a dry run is inside the caller's own agreement, which nothing may precede on one rank alone)."""
-    from ..dist import agreed, checkpoint_group
 
     mine, split = readers([tensor for tensor, *_ in plan], replicated)
 

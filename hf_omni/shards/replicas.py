@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import tree_flatten, tree_unflatten
+from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
+
 
 def _replicate_dims(tensor) -> list[int]:
     from torch.distributed.tensor import Replicate
@@ -53,8 +56,6 @@ def readers(tensors, replicated: bool = False) -> tuple[list[bool], bool]:
 def _whole(tensors, replicated: bool) -> bool:
     """Every rank holds `tensors` whole (a module under DDP): rank 0 reads them."""
     import torch.distributed as dist
-
-    from ..dist import has_process_group
 
     return bool(replicated and has_process_group() and dist.get_world_size() > 1 and tensors and
                 not any(hasattr(t, "placements") for t in tensors))
@@ -103,8 +104,6 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
     is then read once in all."""
     import torch.distributed as dist
 
-    from ..dist import agreed, checkpoint_group
-
     if replicated_mesh(tensors) is not None:
         with agreed(what, checkpoint_group()):
             for i, tensor in enumerate(tensors):
@@ -137,8 +136,6 @@ def load_once(state: dict, reader, what: str) -> None:
     loads the tensors it owns (DCP over its shard group; plain tensors on every replica) and sends them to the
     others; a module held whole by every rank (DDP) is read by rank 0, then broadcast."""
     import torch.distributed.checkpoint as dcp
-    from ..compat import tree_flatten, tree_unflatten
-    from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
 
     leaves, spec = tree_flatten(state)
     tensors = [t for t in leaves if torch.is_tensor(t)]
