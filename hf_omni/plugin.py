@@ -28,13 +28,13 @@ from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
 from .dist import checkpoint_group, has_process_group
 from .errors import OmniArgumentError
-from .gradients import clip_grad_norms, fp16_scaler
 from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
-from .optim import ModuleOptimizers, ModuleSchedulers, build_optimizers
+from .optim.gradients import clip_grad_norms, fp16_scaler
+from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.checkpointing import check_checkpointed_modules
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .profile import ModuleProfile

@@ -64,7 +64,7 @@ def test_every_optimizer_is_handed_the_same_combined_answer():
     """What torch's scaler reads for each optimizer after hf_omni combined them: one tensor per optimizer, all with
     the sum of every module's found-inf (the poisoned module's alone would leave the other's at 0)."""
     from hf_omni.compat import scaler_state
-    from hf_omni.gradients import share_found_inf
+    from hf_omni.optim.gradients import share_found_inf
 
     model, plugin, scaler, optimizer, scheduler, batch = prepared()
     scaler.scale(model(**batch).loss).backward()

@@ -185,7 +185,7 @@ LAYERS = [
     ("parallel", "hub", "model_hooks"),
     ("offline",),
     ("checkpoint",),
-    ("modules", "gradients"),
+    ("modules",),
     ("shards",),
     ("compat", "dist", "config", "errors", "keys", "dtypes", "progress"),
 ]

@@ -208,8 +208,8 @@ def test_one_grad_scaler_shared_by_every_module():
     an inf in any module's gradients skips every module's step (as one optimizer would)."""
     import copy
 
-    from hf_omni.gradients import clip_grad_norms
-    from hf_omni.optim import ModuleOptimizers
+    from hf_omni.optim.gradients import clip_grad_norms
+    from hf_omni.optim.optimizers import ModuleOptimizers
 
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)

@@ -13,7 +13,7 @@
 - `fp16`: a loop over OmniPlugin with torch's CPU GradScaler; at step 2 an inf is put into one gradient of the
   replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
   rank must skip, the scale back off alike, no scheduler step. The same counter must see fp16's one host read per
-  step (hf_omni.optim): the positive control of the counter.
+  step (hf_omni.optim.optimizers): the positive control of the counter.
 
 Usage: mp_step.py OUT_DIR -> OUT_DIR/<scenario>-rank<r>.json"""
 

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments, get_scheduler
 from transformers.training_args import OptimizerNames
 
-from .arguments.module import ModuleArguments
-from .compat import decay_parameter_names, scaler_state, scheduler_step_count, set_scheduler_step_count
-from .errors import OmniArgumentError
+from ..arguments.module import ModuleArguments
+from ..compat import decay_parameter_names, scaler_state, scheduler_step_count, set_scheduler_step_count
+from ..errors import OmniArgumentError
 from .gradients import share_found_inf
 
 
