@@ -11,7 +11,7 @@ from .config import OmniConfig
 from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .modules.classes import register_module_class
-from .modules.projector import Projector, ProjectorConfig
+from .projector import Projector, ProjectorConfig
 from .offline.encoder import offline_encoder
 from .parallel.registry import register_strategy
 from .plugin import OmniPlugin

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
 from ..modeling import OmniModel
-from ..modules.projector import Projector, ProjectorConfig
+from ..projector import Projector, ProjectorConfig
 from ..offline.encoder import offline_encoder
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
