@@ -144,8 +144,7 @@ def held_bytes(module, optimizer) -> int:
     """Bytes this rank holds of `module`'s parameters, gradients and optimizer state (local shards)."""
     import torch
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    from hf_omni.shards.box import local_of as local
 
     params = list(module.parameters())
     total = sum(local(p).numel() * local(p).element_size() for p in params)

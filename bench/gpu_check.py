@@ -31,6 +31,7 @@ from checklist import CUDA, RANK, WORLD, check, gloo, main  # bench/checklist.py
 from transformers import PrinterCallback, TrainerCallback, default_data_collator
 
 from hf_omni import OmniModel, OmniTrainer, OmniTrainingArguments, offline_encoder
+from hf_omni.shards.box import local_of as local
 from hf_omni.testing.digits import Captioner, build_model, load_splits
 
 ROOT, STEPS, BATCH, TOLERANCE = "/tmp/hf_omni_gpu_check", 12, 32, 0.03
@@ -68,11 +69,6 @@ def trainer_for(model, modules: dict, steps: int, name: str, callbacks=(), run=T
 
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (an FSDP2 shard), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def trained_tensors(model) -> dict[str, torch.Tensor]:

@@ -25,18 +25,14 @@ import logging
 import torch
 
 from .dist import is_main
+from .shards.box import local_of
 
 logger = logging.getLogger("hf_omni")
 MIB = 1024 * 1024
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor` (a DTensor's local shard)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def nbytes(tensor: torch.Tensor) -> int:
-    shard = local(tensor)
+    shard = local_of(tensor)
     return shard.numel() * shard.element_size()
 
 

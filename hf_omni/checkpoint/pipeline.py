@@ -19,19 +19,18 @@ import torch
 from torch import nn
 
 from ..dist import agreed
+from ..shards.box import local_of
 from .staging import CopyStream, Staging
 
 
 def storage_of(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.untyped_storage().data_ptr()
+    return local_of(tensor).untyped_storage().data_ptr()
 
 
 def copy_to_cpu(tensor: torch.Tensor, into: torch.Tensor | None = None, non_blocking: bool = False) -> torch.Tensor:
     """`tensor` on the host: into `into` (a reused staging buffer; `non_blocking` on the copy stream, which is
     synchronised before any write) when given, else a fresh copy."""
-    local = tensor.detach()
-    local = local.to_local() if hasattr(local, "to_local") else local
+    local = local_of(tensor.detach())
     if into is None:
         return local.to("cpu", copy=True).contiguous()
     into.copy_(local, non_blocking=non_blocking and into.is_pinned())

@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from ..shards.box import local_of
+
 
 class CopyStream:
     """Where the background copies run: `mark()` on the training thread when the save begins, `copying()` around
@@ -48,7 +50,7 @@ class Staging:
         self.buffers: dict[str, torch.Tensor] = {}
 
     def buffer(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_of(tensor)
         held = self.buffers.get(name)
         if held is None or held.shape != local.shape or held.dtype != local.dtype:
             held = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..shards.box import local_rows, sharded_off_rows
+from ..shards.box import local_of, local_rows, sharded_off_rows
 from .lora import lora_config_of
 
 
@@ -99,7 +99,7 @@ def rows_of(tensor, lo: int, hi: int) -> torch.Tensor:
         raise ValueError("rows_of takes dim-0 shards: redistribute it first (`shards.box.as_rows`)")
 
     first = (local_rows(tensor) or (0, 0))[0]
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_of(tensor)
     return local[lo - first:hi - first]
 
 
