@@ -5,10 +5,12 @@ A composed model (`OmniModel`) of named HF sub-models, per-module training setti
 `transformers.Trainer` over it (`OmniTrainer`).
 """
 
+from .formats import part as _part_format, pretrained as _transformers_format  # noqa: F401  (shipped formats)
 from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .config import OmniConfig
 from .errors import OmniArgumentError
+from .formats.interface import ModuleFormat, register_module_format
 from .modeling import OmniModel
 from .modules.classes import register_module_class
 from .modules.projector import Projector, ProjectorConfig
@@ -19,6 +21,7 @@ from .trainer.trainer import OmniTrainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
+    "ModuleArguments", "ModuleFormat", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
     "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder", "register_module_class",
+    "register_module_format",
 ]

@@ -18,6 +18,7 @@ import os
 
 from torch import nn
 
+from ..formats.interface import weights_names
 from .folder_plan import ADAPTER
 from .lora import ADAPTER_CONFIG, has_adapter, lora_config_of
 from .tensor_layout import file_layout
@@ -41,7 +42,7 @@ def has_fixed_base(module: nn.Module) -> bool:
 
 
 def has_weights(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, n)) for n in ("model.safetensors", "model.safetensors.index.json"))
+    return any(os.path.isfile(os.path.join(folder, n)) for n in weights_names(folder))
 
 
 def base_reference(folder: str) -> str | None:

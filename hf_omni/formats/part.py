@@ -1,0 +1,57 @@
+"""The adopted part's format: a module of an adopted model (`adopt.parts.Part`, the released model's submodules
+under their released names). Its checkpoint folder holds its tensors under the released model's keys (the released
+class's save-time conversion) and `hf_omni_part.json` (its paths) instead of a config; the whole adopted model is
+this format's too: its released format beside `hf_omni.json` (`holds_model` / `load_model`), and
+`OmniModel.from_model` (`adopt`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from torch import nn
+
+from ..adopt.parts import Part
+from ..compat import keys_to_ignore_on_save, transformers_save_keys
+from ..config import PART_FILE
+from .interface import ModuleFormat, register_shipped
+
+
+@register_shipped
+class PartFormat(ModuleFormat):
+    name = "adopted part"
+    config_files = (PART_FILE,)
+    library_name = "transformers"
+    exported = False  # its folder is a checkpoint's: an export holds the released format (`adopt.export`)
+
+    def handles(self, cls: type) -> bool:
+        return issubclass(cls, Part)
+
+    def class_record(self, cls: type, module: str) -> str:
+        raise ValueError(f"module {module!r} is a module of an adopted model: its model records the released class")
+
+    def write_config(self, module: nn.Module, folder: str, dtype=None) -> None:
+        with open(os.path.join(folder, PART_FILE), "w") as f:
+            json.dump({"paths": module.omni_paths}, f)
+
+    def keys_to_ignore(self, view: nn.Module) -> list[str]:
+        return keys_to_ignore_on_save(view)
+
+    def convert_keys(self, view: nn.Module, state: dict) -> dict:
+        """Its tensors go through the released model's conversion: its files key them as the released files do."""
+        return transformers_save_keys(view.omni_released, state)
+
+    def holds_model(self, root: str, revision=None, token=None, cache_dir=None) -> bool:
+        from ..hub.download import adopted_folder
+
+        return adopted_folder(root, revision, token, cache_dir)
+
+    def load_model(self, root: str, **kwargs):
+        from ..adopt.model import AdoptedModel
+
+        return AdoptedModel.from_saved(root, **kwargs)
+
+    def adopt(self, model, pretrained=None, **kwargs):
+        from ..adopt.model import from_model
+
+        return from_model(model, pretrained, **kwargs)
