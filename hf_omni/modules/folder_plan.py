@@ -27,7 +27,6 @@ from ..dtypes import SAFETENSORS
 from ..formats.interface import format_of
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
 
-INDEX = "model.safetensors.index.json"  # the transformers format's (`ModuleFormat.weights_index`)
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 
 
