@@ -79,6 +79,13 @@ class ModuleFormat:
         """Where the module was loaded from (a folder or a Hub id; "" when unknown)."""
         return ""
 
+    def describe(self, module: nn.Module) -> dict:
+        """The module's configuration as JSON-able values (an offline cache's fingerprint hashes it). The default:
+        its `config.to_dict()` (transformers' and the adopted part's) less where and by what it was saved."""
+        config = getattr(module, "config", None)
+        values = config.to_dict() if hasattr(config, "to_dict") else {}
+        return {k: v for k, v in values.items() if k not in ("_name_or_path", "transformers_version")}
+
     def card_usage(self, record: str, repo_id: str, subfolder: str | None) -> list[str]:
         """Model card lines that show how to load the module alone (markdown)."""
         return []
