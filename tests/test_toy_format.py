@@ -1,6 +1,7 @@
 """A module format of the tests' own (`toy_format.py`: a plain torch module with a JSON config, one file and one
 `register_module_format`) used as a module of a composed model: trained, checkpointed, resumed, exported and
-rebuilt as a transformers module is, at 1 process and at 2 ranks (FSDP and DDP)."""
+rebuilt as a transformers module is, at 1 process and at 2 ranks (FSDP and DDP); its weights over several files
+under its own names; pushed to a loopback Hub and loaded back by repo id."""
 
 import os
 
@@ -67,3 +68,50 @@ def test_two_ranks_fsdp_and_ddp_equal_one_process(tmp_path):
         sharded = "toy" if name == "fsdp" else "llm"
         assert set(result["sharded"][sharded]) == {"DTensor"}, result["sharded"]
         check_export(os.path.join(tmp_path, "multi", name, "export"), result["state"])
+
+
+def test_sharded_toy_folder_uses_the_formats_index_and_loads_every_way(tmp_path):
+    """Weights over several files: the format's own shard and index names, read by ToyNet alone, by an eager
+    load and by an empty_init build filled as training fills it."""
+    from accelerate import Accelerator
+    from toy_runs import ToyCaptioner
+
+    model = toy_model()
+    model.save_pretrained(str(tmp_path / "out"), max_shard_size=600)
+    names = sorted(os.listdir(tmp_path / "out" / "toy"))
+    assert names[0] == "toy_config.json" and names[-1] == "toy_weights.safetensors.index.json"
+    assert len(names) > 3 and all(n.startswith("toy_weights-0000") for n in names[1:-1]), names
+    state = model.state_dict()
+    alone = ToyNet.from_folder(str(tmp_path / "out" / "toy"))
+    assert all(torch.equal(v, state["toy." + k]) for k, v in alone.state_dict().items())
+    eager = ToyCaptioner.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(v, state[k]) for k, v in eager.state_dict().items())
+    empty = ToyCaptioner.from_pretrained(str(tmp_path / "out"), empty_init=True)
+    hf_omni.OmniPlugin(modules={"toy": {}, "llm": {"trainable": False}}, defaults={},
+                       output_dir=str(tmp_path)).prepare_modules(Accelerator(cpu=True), empty)
+    assert all(torch.equal(v, state[k]) for k, v in empty.state_dict().items())
+
+
+def test_hub_push_and_load_back(tmp_path):
+    """Per-module repos on a loopback Hub: the toy repo holds its own files and a card from its format; the
+    composition loads back by repo id (the toy files downloaded by the format's names)."""
+    import huggingface_hub
+    import transformers.utils.hub
+    from toy_runs import ToyCaptioner
+
+    from hf_omni.testing import LoopbackHub
+
+    model = toy_model()
+    with LoopbackHub() as server, pytest.MonkeyPatch.context() as mp:
+        for name, value in server.client_constants(str(tmp_path / "cache")).items():
+            mp.setattr(huggingface_hub.constants, name, value)
+        mp.delenv("HF_TOKEN", raising=False)
+        mp.setattr(transformers.utils.hub, "_hf_api", None)
+        model.push_to_hub("org/toycap")
+        pushed = server.files("org/toycap-toy")
+        assert {n for n in pushed if n not in ("README.md", ".gitattributes")} == {"toy_config.json",
+                                                                                   "toy_weights.safetensors"}
+        card = pushed["README.md"].decode()
+        assert "ToyNet.from_folder" in card and "library_name" not in card.split("---")[1]
+        loaded = ToyCaptioner.from_pretrained("org/toycap")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())

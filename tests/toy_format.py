@@ -92,6 +92,9 @@ class ToyFormat(hf_omni.ModuleFormat):
         with open(os.path.join(folder, CONFIG), "w") as f:
             json.dump({**module.settings, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2, sort_keys=True)
 
+    def describe(self, module: nn.Module) -> dict:
+        return dict(module.settings)
+
     def source_path(self, module: nn.Module) -> str:
         return module.source
 
