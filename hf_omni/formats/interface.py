@@ -79,6 +79,15 @@ class ModuleFormat:
         """Where the module was loaded from (a folder or a Hub id; "" when unknown)."""
         return ""
 
+    def checkpointed_models(self, module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """`activation_checkpointing`: (a model whose own `activation_checkpointing_enable` covers part of `module`,
+        the submodules inside it that belong to other modules), for each; none: refused, naming the module. The
+        default: the module itself when it supports gradient checkpointing as transformers' models do."""
+        return [(module, [])] if getattr(module, "supports_gradient_checkpointing", False) else []
+
+    def no_checkpointing_reason(self, module: nn.Module) -> str:
+        return f"{type(module).__name__} does not support activation checkpointing"
+
     def describe(self, module: nn.Module) -> dict:
         """The module's configuration as JSON-able values (an offline cache's fingerprint hashes it). The default:
         its `config.to_dict()` (transformers' and the adopted part's) less where and by what it was saved."""

@@ -41,6 +41,22 @@ class PartFormat(ModuleFormat):
         """Its tensors go through the released model's conversion: its files key them as the released files do."""
         return transformers_save_keys(view.omni_released, state)
 
+    def checkpointed_models(self, module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """Each of its roots that is a `PreTrainedModel` supporting it (LLaVA's `model.language_model`), else the
+        outermost such models inside the root, with the carved-out submodules inside each (they keep their own
+        setting); a root with none (`lm_head`) has nothing to recompute."""
+        found = []
+        for root in module.omni_roots:
+            carved = [root.module.get_submodule(c) for c in root.carved]
+            for model in _outermost(root.module, {id(c) for c in carved}):
+                inside = {id(m) for m in model.modules()}
+                found.append((model, [c for c in carved if id(c) in inside]))
+        return found
+
+    def no_checkpointing_reason(self, module: nn.Module) -> str:
+        return (f"none of its paths {[r.path for r in module.omni_roots]} is or holds a transformers model that "
+                "supports it (gradient checkpointing)")
+
     def holds_model(self, root: str, revision=None, token=None, cache_dir=None) -> bool:
         from ..hub.download import adopted_folder
 
@@ -55,3 +71,17 @@ class PartFormat(ModuleFormat):
         from ..adopt.model import from_model
 
         return from_model(model, pretrained, **kwargs)
+
+
+def _supports(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) and bool(getattr(module, "supports_gradient_checkpointing", False))
+
+
+def _outermost(module: nn.Module, skip: set[int]) -> list[nn.Module]:
+    if id(module) in skip:
+        return []
+    if _supports(module):
+        return [module]
+    return [found for child in module.children() for found in _outermost(child, skip)]
