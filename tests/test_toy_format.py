@@ -115,3 +115,12 @@ def test_hub_push_and_load_back(tmp_path):
         assert "ToyNet.from_folder" in card and "library_name" not in card.split("---")[1]
         loaded = ToyCaptioner.from_pretrained("org/toycap")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_activation_checkpointing_of_a_toy_module_is_refused_by_its_format(tmp_path):
+    from accelerate import Accelerator
+
+    plugin = hf_omni.OmniPlugin(modules={"toy": {"activation_checkpointing": True}}, defaults={},
+                                output_dir=str(tmp_path))
+    with pytest.raises(hf_omni.OmniArgumentError, match="ToyNet does not support activation checkpointing"):
+        plugin.prepare_modules(Accelerator(cpu=True), toy_model())
