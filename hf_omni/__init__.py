@@ -9,18 +9,21 @@ from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .config import OmniConfig
 from .errors import OmniArgumentError
+from .adopt import format as _adopted_format  # noqa: F401 (the shipped formats register on import: this one first)
+from .formats import pretrained as _transformers_format  # noqa: F401
+from .formats.interface import ModuleFormat, register_module_format
 from .modeling import OmniModel
 from .modules.classes import register_module_class
-from .projector import Projector, ProjectorConfig
 from .offline.encoder import offline_encoder
 from .parallel.registry import register_strategy
 from .plugin import OmniPlugin
+from .projector import Projector, ProjectorConfig
 from .trainer.trainer import OmniTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModuleArguments", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
+    "ModuleArguments", "ModuleFormat", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
     "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder", "register_module_class",
-    "register_strategy",
+    "register_module_format", "register_strategy",
 ]

@@ -28,14 +28,14 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from .compat import config_name_or_path
 from .config import ModuleEntry, OmniConfig, module_folder
 from .dist import is_main
-from .hub.download import adopted_folder, download_composition, hub_origin, linked_folders
+from .formats.interface import FORMATS, adopter, format_of, original_class, record_class, resolve_class
+from .hub.download import download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
+from .hub.push import push_saved
 from .model_hooks import ModelHooks
-from .modules.classes import class_record, embeddings_of, is_token_embedding, original_class, per_module, \
-    resolve_module_class
+from .modules.classes import embeddings_of, is_token_embedding, per_module
 from .modules.folder import (
     PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
 )
@@ -54,7 +54,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
     label_shift: bool = False
     input_embeddings_module: str | None = None  # the module whose token embeddings are the model's (NEFTune)
 
-    def __init__(self, config: OmniConfig, modules: dict[str, PreTrainedModel] | None = None,
+    def __init__(self, config: OmniConfig, modules: dict[str, nn.Module] | None = None,
                  processors: dict[str, Any] | None = None):
         super().__init__(config)
         modules, processors = dict(modules or {}), dict(processors or {})
@@ -74,32 +74,32 @@ class OmniModel(ModelHooks, PreTrainedModel):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_modules(cls, modules: dict[str, PreTrainedModel], processors: dict[str, Any] | None = None,
+    def from_modules(cls, modules: dict[str, nn.Module], processors: dict[str, Any] | None = None,
                      sources: dict[str, str] | None = None) -> "OmniModel":
-        """Compose `modules` (name -> PreTrainedModel). A module loaded from a local folder records it as its
-        source (override with `sources`)."""
+        """Compose `modules` (name -> a PreTrainedModel, or a module of a registered `ModuleFormat`). A module
+        loaded from a local folder records it as its source (override with `sources`)."""
         processors, sources = dict(processors or {}), dict(sources or {})
         for name, module in modules.items():
-            if not isinstance(module, PreTrainedModel):
-                raise ValueError(f"module {name!r}: expected a transformers PreTrainedModel, got "
-                                 f"{type(module).__name__}")
+            if not any(f.handles(original_class(module)) for f in FORMATS):
+                raise ValueError(f"module {name!r}: expected a transformers PreTrainedModel or a module of a "
+                                 f"registered ModuleFormat, got {type(module).__name__}")
         for name in list(processors) + list(sources):
             if name not in modules:
                 raise ValueError(f"module {name!r} has a processor or source but is not a module: {list(modules)}")
         entries = []
         for name, module in modules.items():
-            source, path = sources.get(name), config_name_or_path(module.config)
+            source, path = sources.get(name), format_of(module).source_path(module)
             if source is None and path and os.path.isdir(path):
                 source = os.path.abspath(path)
-            entries.append(ModuleEntry(name, class_record(original_class(module), name), name, source,
+            entries.append(ModuleEntry(name, record_class(original_class(module), name), name, source,
                                        **hub_origin(module)))
         return cls(OmniConfig(modules=entries, omni_class=cls.__name__), modules=modules, processors=processors)
 
     @classmethod
     def from_model(cls, model, pretrained=None, *, modules: dict, processor=None, **kwargs) -> "OmniModel":
-        """Adopt a released composite model as it is, `modules` mapping names to attribute paths (`hf_omni.adopt`)."""
-        from .adopt.model import from_model  # when called: AdoptedModel subclasses OmniModel (a genuine cycle)
-        return from_model(model, pretrained, modules=modules, processor=processor, **kwargs)
+        """Adopt a released composite model as it is, `modules` mapping names to attribute paths (`hf_omni.adopt`,
+        through the adopted part's format: `adopt.format`)."""
+        return adopter().adopt(model, pretrained, modules=modules, processor=processor, **kwargs)
 
     @property
     def module_names(self) -> list[str]:
@@ -168,7 +168,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
             folder = os.path.join(save_directory, slot.entry.subfolder)
             if slot.is_released:  # offline: on the meta device, its files copied from its recorded source
                 source = slot.entry.source
-                if not source or not os.path.isfile(os.path.join(source, "config.json")):
+                if not source or not format_of(slot.module).is_folder(source):
                     raise ValueError(f"module {slot.name!r} is on the meta device (offline) and has no source folder "
                                      f"to export it from ({source!r})")
                 if is_main_process:
@@ -181,7 +181,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
     def write_config(self, directory: str) -> None:
         """The root `config.json`: module names in order, each one's original class, subfolder, source and
         processor kind; once a run prepared the model, whether each was trained."""
-        entries = [dataclasses.replace(slot.entry, cls=class_record(original_class(slot.module), slot.name),
+        entries = [dataclasses.replace(slot.entry, cls=record_class(original_class(slot.module), slot.name),
                                        processor=processor_kind(slot.processor) if slot.processor is not None else None,
                                        trained=slot.trains if self.prepared is not None else slot.entry.trained)
                    for slot in self.slots.values()]
@@ -201,9 +201,9 @@ class OmniModel(ModelHooks, PreTrainedModel):
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)
         hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
-        if adopted_folder(root, **hub):  # an adopted model, in its released format (a folder or a repo)
-            from .adopt.model import AdoptedModel  # when called: it subclasses OmniModel (a genuine cycle)
-            return AdoptedModel.from_saved(root, **hub, **kwargs)
+        whole = next((f for f in FORMATS if f.holds_model(root, **hub)), None)  # an adopted model (`adopt.format`)
+        if whole is not None:  # in its released format (a folder or a repo)
+            return whole.load_model(root, **hub, **kwargs)
         if is_hub_id(root):  # a composition repo: its config, then exactly the module files it needs
             root, config, folders = download_composition(root, **hub)
         elif not os.path.isfile(os.path.join(root, "config.json")):
@@ -221,7 +221,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
             name = entry.name
             folder_of[name] = folder = folders.get(name) or module_folder(root, config, name)
             extra = {k: v for k, v in (("device_map", placement[name]), ("dtype", dtypes[name])) if v is not None}
-            modules[name] = load_module(resolve_module_class(entry.cls, name), folder, empty_init, merge_lora,
+            modules[name] = load_module(resolve_class(entry.cls, name), folder, empty_init, merge_lora,
                                         **kwargs, **extra)
             if entry.processor in PROCESSOR_KINDS:
                 processors[name] = load_processor(folder, entry.processor)
@@ -239,8 +239,6 @@ class OmniModel(ModelHooks, PreTrainedModel):
         `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub, hub_model_id}}`.
         With sharded modules every rank calls it; the main process pushes. Returns `{repo: commit}`."""
         import tempfile
-
-        from .hub.push import push_saved
 
         with tempfile.TemporaryDirectory(prefix="hf_omni_push_") as tmp:
             self.save_pretrained(tmp, is_main_process=is_main_process, merge_lora=merge_lora)

@@ -35,9 +35,8 @@ import time
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
-from .modules.units import run_roots
 from .compat import queue_backward_callback
-
+from .modules.units import run_roots
 
 FOLD_AFTER = 256  # calls of a module held before the finished ones are folded into milliseconds
 

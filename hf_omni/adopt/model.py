@@ -21,10 +21,16 @@ import types
 from transformers import PreTrainedModel
 
 from ..config import ADOPTED_FILE, RELEASED_FOLDER, ModuleEntry, OmniConfig
+from ..dist import is_main
+from ..hub.download import download_module
+from ..hub.ids import is_hub_id
 from ..modeling import OmniModel
 from ..modules.classes import class_record, original_class, resolve_module_class
+from ..modules.empty_init import build_empty
+from ..offline.missing_modality import runs_collectives
+from .export import export_module_folders, export_original, module_folder_root
 from .inputs import check_same_inputs
-from .offline import served_signature
+from .offline import released_encoder, released_specs, served_outputs, served_signature
 from .owners import check_paths, claim_tied, normalise
 from .parts import build_parts, sync_into
 
@@ -75,9 +81,6 @@ class AdoptedModel(OmniModel):
 
     # -- running ---------------------------------------------------------------------------------
     def run_released(self, *args, **kwargs):
-        from ..offline.missing_modality import runs_collectives
-        from .offline import served_outputs
-
         cached = served_outputs(self, kwargs)  # offline modules: their cached outputs, the forward's own way
         if runs_collectives(self):  # every rank given the same arguments, or all raise alike
             served = {c for s in self.slots.values() if s.encoder is not None for c in s.encoder.inputs}
@@ -91,14 +94,12 @@ class AdoptedModel(OmniModel):
 
     def offline_encoder_specs(self) -> dict:
         """Module -> its `offline_encoder` setting as a spec (`adopt.offline`)."""
-        from .offline import released_specs
         return released_specs(self)
 
     def offline_encoder_code(self, spec):
         return getattr(type(self.released), spec.method)
 
     def offline_encoder_call(self, spec):
-        from .offline import released_encoder
         return released_encoder(self, spec)
 
     def modality_columns(self) -> dict[str, list[str]]:
@@ -136,8 +137,6 @@ class AdoptedModel(OmniModel):
         sharded module's tensors), and `hf_omni.json`. LoRA is always merged (`merge_lora` is ignored): the released
         format holds no adapters. `module_folders`: modules that are one `PreTrainedModel` (LLaVA's
         `model.vision_tower`) also written as `<save_directory>/<module>/`, each loadable alone."""
-        from ..dist import is_main
-        from .export import export_module_folders, export_original, module_folder_root
 
         if kwargs.get("state_dict") is not None:
             raise ValueError("AdoptedModel.save_pretrained writes its modules' own state; `state_dict=` is not "
@@ -166,10 +165,8 @@ class AdoptedModel(OmniModel):
                    **kwargs) -> "AdoptedModel":
         """A folder `save_pretrained` wrote (or a repo it was pushed to): the released class loads it, then it is
         adopted with its mapping."""
-        from ..hub.ids import is_hub_id
 
         if is_hub_id(folder):  # the repo's released-format files, at one commit
-            from ..hub.download import download_module
 
             folder = download_module(folder, revision, "(adopted model)", token, cache_dir)
         config = OmniConfig.from_json_file(os.path.join(folder, ADOPTED_FILE))
@@ -207,8 +204,6 @@ def from_model(model, pretrained=None, *, modules: dict, processor=None, empty_i
 def adopt_empty(released_class, pretrained: str, modules: dict, processor=None, **kwargs) -> AdoptedModel:
     """The released model built as `from_pretrained` would build it (saved dtype, ties, keep-in-fp32 plan,
     generation config), on the meta device; every module pending on the released folder."""
-    from ..hub.ids import is_hub_id
-    from ..modules.empty_init import build_empty
 
     hub = {k: kwargs.pop(k, None) for k in ("revision", "token", "cache_dir")}
     if kwargs:
@@ -216,8 +211,6 @@ def adopt_empty(released_class, pretrained: str, modules: dict, processor=None, 
                         "placement are its `modules:` settings")
     folder = pretrained
     if not os.path.isdir(folder) and is_hub_id(folder):
-        from ..hub.download import download_module
-
         folder = download_module(pretrained, hub["revision"], "(adopted model)", hub["token"], hub["cache_dir"])
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"from_model: {pretrained} has no config.json: not a saved {released_class.__name__}")

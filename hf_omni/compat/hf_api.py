@@ -40,12 +40,9 @@ def no_split_modules(module: nn.Module) -> set[str]:
 def transformers_save_keys(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` under the keys transformers' `save_pretrained` writes it (its save-time key conversion: ViT's
     `layers.0.attention.q_proj` is saved as `encoder.layer.0.attention.attention.query`; MoE experts merged on load
-    are split again). Renamed tensors keep their identity; merged or split ones are new tensors. A module of an
-    adopted model (no model class of its own) names its tensors as the released model does: they go through the
-    released model's conversion, so its files key them as the released files do."""
+    are split again). Renamed tensors keep their identity; merged or split ones are new tensors."""
     from transformers import PreTrainedModel
 
-    module = getattr(module, "omni_released", module)
     if not isinstance(module, PreTrainedModel):
         return dict(state)
     return resolve("transformers.core_model_loading.revert_weight_conversion")(module, dict(state))

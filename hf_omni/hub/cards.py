@@ -10,34 +10,19 @@ from __future__ import annotations
 import json
 import os
 
+from ..checkpoint.marker import read_json
+from ..formats.interface import format_of, resolve_class
+
 SUMMARY = "training_summary.json"  # written by OmniTrainer beside an export's / checkpoint's root config
 HYPER_PARAMETERS = ("learning_rate", "optim", "weight_decay", "lr_scheduler_type", "warmup_steps", "max_grad_norm",
                     "parallel")
-AUTO_CLASSES = (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
-                ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText"),
-                ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
-                ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
-                ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForSequenceClassification"),
-                ("MODEL_MAPPING_NAMES", "AutoModel"))
 
 
 def read_summary(root: str) -> dict:
     """The run's summary beside `root/config.json`, or `{}` (an export saved without OmniTrainer)."""
-    from ..checkpoint.marker import read_json
 
     path = os.path.join(root, SUMMARY)
     return read_json(path) if os.path.isfile(path) else {}
-
-
-def auto_class(class_name: str) -> tuple[str, bool]:
-    """The Auto class that loads `class_name`, and whether `import hf_omni` must come first (its own
-    registered classes, e.g. `Projector`)."""
-    from transformers.models.auto import modeling_auto
-
-    for mapping, auto in AUTO_CLASSES:
-        if class_name in getattr(modeling_auto, mapping, {}).values():
-            return auto, False
-    return "AutoModel", True
 
 
 def how_trained(entry, folder: str | None, summary: dict) -> str:
@@ -77,13 +62,12 @@ def load_snippet(composition_repo: str, omni_class: str | None) -> str:
     return f'from hf_omni import OmniModel\n\nmodel = OmniModel.from_pretrained("{composition_repo}"){own}'
 
 
-def alone_snippet(auto: str, needs_import: bool, repo_id: str, subfolder: str | None, lora: bool) -> list[str]:
+def alone_snippet(fmt, record: str, repo_id: str, subfolder: str | None, lora: bool) -> list[str]:
+    """How the module loads alone: its format's lines (`ModuleFormat.card_usage`: a transformers module's Auto
+    class)."""
     if subfolder and lora:  # transformers reads an adapter's base from the repo root, not the subfolder
         return ["In this layout the LoRA module loads through the composition (below).", ""]
-    where = f'"{repo_id}"' + (f', subfolder="{subfolder}"' if subfolder else "")
-    return ["This module alone:", "", "```python", *(["import hf_omni  # registers its classes"] if needs_import
-                                                      else []),
-            f"from transformers import {auto}", "", f"model = {auto}.from_pretrained({where})", "```", ""]
+    return fmt.card_usage(record, repo_id, subfolder)
 
 
 def module_card(entry, folder: str | None, repo_id: str, composition_repo: str, omni_class: str | None,
@@ -92,11 +76,11 @@ def module_card(entry, folder: str | None, repo_id: str, composition_repo: str, 
     from huggingface_hub import ModelCardData
 
     name, cls = entry.name, entry.cls
-    auto, needs_import = auto_class(cls)
+    fmt = format_of(resolve_class(cls, name))
     trained = how_trained(entry, folder, summary)
     origin = entry.hub_repo if entry.hub_repo != repo_id else None
     tags = ["hf_omni", f"hf_omni-module-{name}"] + (["lora", "peft"] if trained.startswith("LoRA") else [])
-    data = ModelCardData(library_name="transformers", tags=tags, base_model=origin,
+    data = ModelCardData(library_name=fmt.library_name, tags=tags, base_model=origin,
                          model_name=repo_id.split("/")[-1])
     settings = summary.get("modules", {}).get(name, {}) if not trained.startswith("frozen") else {}
     rows = ["| hyper-parameter | value |", "|---|---|"] + [f"| {k} | `{settings[k]!r}` |" for k in HYPER_PARAMETERS
@@ -110,7 +94,7 @@ def module_card(entry, folder: str | None, repo_id: str, composition_repo: str, 
             "## Hyper-parameters", "", *(rows if settings else ["None (not trained)." if trained.startswith(
                 "frozen") else "Not recorded."]), "",
             "## Final metrics (the whole composition)", "", *metrics_table(summary), "",
-            "## Use", "", *alone_snippet(auto, needs_import, repo_id, subfolder, trained.startswith("LoRA")),
+            "## Use", "", *alone_snippet(fmt, cls, repo_id, subfolder, trained.startswith("LoRA")),
             "The whole composition:", "", "```python", load_snippet(composition_repo, omni_class), "```"]
     return card_text(data, "\n".join(body))
 

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import os
 
-from ..compat import config_commit_hash, config_name_or_path
-from ..config import OmniConfig
-from ..modules.folder import MODULE_FILES
+from ..compat import config_commit_hash
+from ..config import ADOPTED_FILE, OmniConfig
+from ..formats.interface import config_files, format_of, is_module_folder
+from ..modules.folder import module_patterns
 from .ids import cache_snapshot, is_hub_id
 
 
-def cached_commit(repo_id: str) -> str | None:
-    """The commit the local Hub cache resolved `repo_id`'s default branch to (what `from_pretrained` just read)."""
+def cached_commit(repo_id: str, config_file: str = "config.json") -> str | None:
+    """The commit the local Hub cache resolved `repo_id`'s default branch to (what `from_pretrained` just read: its
+    `config_file`)."""
     import re
 
     from huggingface_hub import try_to_load_from_cache
 
-    path = try_to_load_from_cache(repo_id, "config.json")
+    path = try_to_load_from_cache(repo_id, config_file)
     commit = os.path.basename(os.path.dirname(path)) if isinstance(path, str) else None
     return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
@@ -34,17 +36,17 @@ def download_module(repo_id: str, revision: str | None, name: str, token=None, c
 
     prefix = f"{subfolder}/" if subfolder else ""
     local = snapshot_download(repo_id, revision=revision, token=token, cache_dir=cache_dir,
-                              allow_patterns=[prefix + p for p in MODULE_FILES])
+                              allow_patterns=[prefix + p for p in module_patterns()])
     folder = os.path.join(local, subfolder) if subfolder else local
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    if not is_module_folder(folder):
         raise FileNotFoundError(f"module {name!r}: {repo_id}{'/' + subfolder if subfolder else ''} at "
-                                f"{revision or 'main'} holds no config.json: not a module")
+                                f"{revision or 'main'} holds no module config "
+                                f"({', '.join(config_files())}): not a module")
     return folder
 
 
 def adopted_folder(root: str, revision: str | None = None, token=None, cache_dir=None) -> bool:
     """Whether `root` (a folder or a repo id) holds an adopted model in its released format (`hf_omni.json`)."""
-    from ..config import ADOPTED_FILE
 
     if not is_hub_id(root):
         return os.path.isfile(os.path.join(root, ADOPTED_FILE))
@@ -79,8 +81,8 @@ def linked_folders(root: str, config: OmniConfig, token=None, cache_dir=None) ->
     recorded Hub repo (a config written by a per-module push, copied locally)."""
     out = {}
     for entry in config.modules:
-        sub = os.path.join(root, entry.subfolder, "config.json")
-        if entry.hub_repo and not os.path.isfile(sub) and not (entry.source and os.path.isdir(entry.source)):
+        sub = os.path.join(root, entry.subfolder)
+        if entry.hub_repo and not is_module_folder(sub) and not (entry.source and os.path.isdir(entry.source)):
             out[entry.name] = download_module(entry.hub_repo, entry.hub_revision, entry.name, token,
                                                  cache_dir)
     return out
@@ -92,11 +94,12 @@ def hub_origin(module) -> dict:
     loaded from a Hub cache snapshot (a composition repo's linked or per-module module, `download_composition`)
     came from that repo at that snapshot's commit: without this, composing it again recorded only a local source
     and a push uploaded a released module it could link."""
-    path = config_name_or_path(module.config)
-    snapshot = cache_snapshot(path) if path and os.path.isfile(os.path.join(path, "config.json")) else None
+    fmt = format_of(module)
+    path = fmt.source_path(module)  # a transformers module: its config's `_name_or_path`
+    snapshot = cache_snapshot(path) if path and fmt.is_folder(path) else None
     if snapshot is not None:
         return {"hub_repo": snapshot[0], "hub_revision": snapshot[1]}
     if not path or not is_hub_id(path):
         return {}
-    commit = config_commit_hash(module.config) or cached_commit(path)
+    commit = config_commit_hash(getattr(module, "config", None)) or cached_commit(path, fmt.config_files[0])
     return {"hub_repo": path, "hub_revision": commit} if commit else {}

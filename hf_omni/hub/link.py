@@ -1,7 +1,7 @@
 """Whether a frozen module loaded from the Hub may be linked (its repo at the recorded commit) instead of uploaded.
 
 It may whenever loading that repo at that commit with the module's class rebuilds the module as pushed: the same
-config, every tensor the module has equal (dtype, shape, values), and its processor the same as the repo's. Keys
+config (its format says how configs compare: `ModuleFormat.rebuild_difference`), every tensor the module has equal (dtype, shape, values), and its processor the same as the repo's. Keys
 only in the repo's files (a non-persistent buffer such as BERT's `position_ids`, a pooler the module was built
 without, keys the class renames on load) do not count against it.
 
@@ -19,10 +19,13 @@ import tempfile
 
 import torch
 
+from ..formats.interface import format_of, resolve_class
+from ..modules.empty_init import build_empty
+from ..modules.folder import load_processor
+from ..modules.safetensors_index import SafetensorsIndex
+from ..modules.tensor_layout import file_layout, module_tensors
+
 logger = logging.getLogger(__name__)
-# config keys that say where or how a module was saved or run, not what it is (`use_cache`: Trainer's switch,
-# which OmniTrainer sets on every module as Trainer sets it on its one model)
-BOOKKEEPING = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "_commit_hash", "use_cache"}
 
 
 def cached_origin(repo_id: str, revision: str | None) -> str | None:
@@ -42,8 +45,10 @@ def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision:
                          processor_kind: str | None, name: str) -> bool:
     """Whether `repo_id` at `revision`, loaded with the module's class (and its processor kind), gives what `folder`
     holds (see the module docstring)."""
+
+    fmt = format_of(resolve_class(class_record, name))
     origin = cached_origin(repo_id, revision)
-    if origin is None or not os.path.isfile(os.path.join(origin, "config.json")):
+    if origin is None or not fmt.is_folder(origin):
         logger.info("hf_omni: module %r: %s@%s is not in the local Hub cache; uploading it", name, repo_id, revision)
         return False
     why = _difference(folder, origin, class_record, processor_kind, name)
@@ -53,20 +58,11 @@ def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision:
 
 
 def _difference(folder: str, origin: str, class_record: str, processor_kind: str | None, name: str) -> str | None:
-    from ..modules.classes import resolve_module_class
-    from ..modules.empty_init import build_empty
-    from ..modules.safetensors_index import SafetensorsIndex
-    from ..modules.tensor_layout import file_layout, module_tensors
-
-    cls = resolve_module_class(class_record, name)
+    cls = resolve_class(class_record, name)
     mine, repo = SafetensorsIndex.for_weights(folder), SafetensorsIndex.for_weights(origin)
-    ours, theirs = (cls.config_class.from_pretrained(f).to_dict() for f in (folder, origin))
-    for config, files in ((ours, mine), (theirs, repo)):
-        for key in BOOKKEEPING:
-            config.pop(key, None)
-        config["dtype"] = config.get("dtype") or files.first_float_dtype()  # what `dtype="auto"` loads in
-    if ours != theirs:
-        return "config: " + ", ".join(sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)))
+    why = format_of(cls).rebuild_difference(cls, folder, origin)  # its configuration (transformers: config.json)
+    if why:
+        return why
     module = build_empty(cls, folder)
     layout = file_layout(module)
     tensors = module_tensors(module)
@@ -88,7 +84,6 @@ def _difference(folder: str, origin: str, class_record: str, processor_kind: str
 def _same_processor(kind: str, folder: str, origin: str) -> bool:
     """Both processors loaded and saved again compare equal file by file (saving normalises the files; a fast
     tokenizer's `truncation` / `padding` are per-call state its wrapper sets on every call, not part of it)."""
-    from ..modules.folder import load_processor
 
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         try:

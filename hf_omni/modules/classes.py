@@ -1,5 +1,6 @@
-"""Where a module's class comes from (by name, never remote code; under an in-place wrapper), what transformers
-saves a wrapped module as, and per-module loading options (`device_map`, `dtype`)."""
+"""Where a module's class comes from (under an in-place wrapper; a transformers class by name, never remote code:
+the transformers format's record, `formats.pretrained`), what transformers saves a wrapped module as, and per-module
+loading options (`device_map`, `dtype`)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,12 @@ import weakref
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..compat import in_place_wrapper_classes, registered_auto_classes
+from ..compat import registered_auto_classes
 from ..config import OmniConfig
+from ..formats.interface import original_class  # noqa: F401  (a module's own class, here since before formats)
 from .meta import meta_build
 
 SAVE_VIEWS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
-
-
-def original_class(module: nn.Module) -> type:
-    """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
-    wrappers = in_place_wrapper_classes()
-    cls = type(module)
-    while len(cls.__bases__) == 2 and cls.__bases__[0] in wrappers:
-        cls = cls.__bases__[1]
-    return cls
 
 
 def save_view(module: nn.Module) -> nn.Module:
@@ -85,9 +78,19 @@ def class_record(cls: type, module: str) -> str:
 
 
 def resolve_module_class(record: str, module: str) -> type[PreTrainedModel]:
+    """The class `class_record` recorded (`find_module_class`), or a clear error naming `module`."""
+    cls = find_module_class(record)
+    if cls is None:
+        raise ValueError(
+            f"module {module!r}: class {record!r} is neither a transformers / hf_omni model, nor registered with "
+            "hf_omni.register_module_class or an Auto class (register your own classes before loading)")
+    return cls
+
+
+def find_module_class(record: str) -> type[PreTrainedModel] | None:
     """The class `class_record` recorded: by name among transformers, hf_omni, `register_module_class` and the Auto
-    classes' registered models, or by module path inside the `transformers` package. Never imports code from
-    anywhere else (that would be `trust_remote_code` by the back door)."""
+    classes' registered models, or by module path inside the `transformers` package; None when none. Never imports
+    code from anywhere else (that would be `trust_remote_code` by the back door)."""
     import transformers
 
     import hf_omni
@@ -99,16 +102,11 @@ def resolve_module_class(record: str, module: str) -> type[PreTrainedModel]:
             try:
                 candidates.append(getattr(importlib.import_module(path), name, None))
             except ImportError:
-                pass  # not in the installed transformers: the error below names the record
+                pass  # not in the installed transformers: the caller's error names the record
     else:
         candidates += [getattr(transformers, record, None), getattr(hf_omni, record, None), REGISTERED.get(record)]
         candidates += [c for c in registered_auto_classes() if getattr(c, "__name__", None) == record]
-    for cls in candidates:
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-            return cls
-    raise ValueError(
-        f"module {module!r}: class {record!r} is neither a transformers / hf_omni model, nor registered with "
-        "hf_omni.register_module_class or an Auto class (register your own classes before loading)")
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, PreTrainedModel)), None)
 
 
 _TRANSFORMERS_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.modeling_[a-z0-9_]+")

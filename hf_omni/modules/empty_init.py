@@ -1,5 +1,6 @@
-"""`empty_init`: a module built on the meta device, then given what `PreTrainedModel.from_pretrained` gives a
-loaded model, step by step (docs/from_pretrained.md lists every step and what hf_omni does for it).
+"""`empty_init`: a module built on the meta device by its format (`ModuleFormat.build_empty`), then given what
+`PreTrainedModel.from_pretrained` gives a loaded model, step by step (docs/from_pretrained.md lists every step and
+what hf_omni does for it; the first four are the transformers format's, `formats.pretrained`).
 
     build (saved dtype, parameters on meta, buffers computed) -> tie weights -> keep-in-fp32 dtype plan
     -> generation config -> LoRA adapter injected (on meta)          [build_empty, at from_pretrained]
@@ -22,7 +23,6 @@ from torch import nn
 from ..compat import keep_in_fp32_plan, own_tensors
 from .lora import has_adapter
 from .lora_base import weights_folder
-from .meta import meta_build
 
 
 def saved_dtype(config) -> torch.dtype | None:
@@ -33,17 +33,13 @@ def saved_dtype(config) -> torch.dtype | None:
 
 
 def build_empty(module_cls, folder: str) -> nn.Module:
-    """The module of `folder` with parameters on the meta device and real buffers (rotary tables and the like are
-    computed, not loaded), tied, in its loading dtypes, with its generation config; a LoRA adapter beside the
-    weights is injected, empty too."""
+    """The module of `folder` with parameters on the meta device and real buffers, as its format's loading builds
+    it (`ModuleFormat.build_empty`: a transformers model tied, in its loading dtypes, with its generation config);
+    a LoRA adapter beside the weights is injected, empty too."""
+    from ..formats.interface import format_of
+
     weights = weights_folder(folder)  # a LoRA checkpoint's folder: its config is its base's
-    config = module_cls.config_class.from_pretrained(weights)
-    config.name_or_path = folder
-    dtype = saved_dtype(config)
-    module = meta_build(module_cls, config, dtype, include_buffers=False)
-    module.tie_weights()
-    apply_dtype_plan(module, dtype or torch.get_default_dtype())
-    load_generation_config(module, weights)
+    module = format_of(module_cls).build_empty(module_cls, weights, folder)
     if has_adapter(folder):
         from peft import LoraConfig, inject_adapter_in_model
 

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from ..dist import agreed, checkpoint_group, is_main
-from .classes import original_class, save_view
+from ..formats.interface import folder_patterns, format_of
 from . import folder_write
 from .empty_init import build_empty
-from .folder_metadata import record_original_class
 from .folder_plan import plan_folder
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
 from .lora_base import weights_folder
@@ -51,12 +50,10 @@ def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
     row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
     merged = merged_module(module, state)
     os.makedirs(folder, exist_ok=True)
-    view = save_view(merged)
-    view.save_pretrained(folder, state_dict={k: v.detach().contiguous() for k, v in merged.state_dict().items()})
-    if dtype is not None and view.config.dtype != dtype:  # transformers records the live parameters' dtype
-        view.config.dtype = dtype
-        view.config.save_pretrained(folder)
-    record_original_class(folder, original_class(merged))
+    fmt = format_of(merged)
+    fmt.save_view(merged).save_pretrained(folder, state_dict={k: v.detach().contiguous()
+                                                              for k, v in merged.state_dict().items()})
+    fmt.write_config(merged, folder, dtype)  # its own class, and the dtype as loaded (not the live parameters')
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
@@ -72,10 +69,17 @@ def load_processor(folder: str, kind: str):
     return auto.from_pretrained(folder)
 
 
-MODULE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-                "adapter_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
-                "merges.txt", "*.model", "chat_template*", "preprocessor_config.json", "*processor_config.json",
-                "feature_extractor_config.json", "video_preprocessor_config.json", "hf_omni.json")
+# a module folder's files of any format (weights, adapter, processor, an adopted model's record): `module_patterns`
+# adds each format's config files
+MODULE_FILES = ("*.safetensors", "*.safetensors.index.json", "adapter_config.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model", "chat_template*",
+                "preprocessor_config.json", "*processor_config.json", "feature_extractor_config.json",
+                "video_preprocessor_config.json", "hf_omni.json")
+
+
+def module_patterns() -> list[str]:
+    """`MODULE_FILES` and every module format's config files (`ModuleFormat.config_files` / `other_files`)."""
+    return list(dict.fromkeys([*MODULE_FILES, *folder_patterns()]))
 
 
 def module_files(folder: str) -> list[str]:
@@ -88,8 +92,10 @@ def module_paths(folder: str) -> dict[str, str]:
     whose base was written apart (`lora_base`) gets the base's weight files too, as if they were beside it."""
     import fnmatch
 
+    patterns = module_patterns()
+
     def listed(where: str) -> dict[str, str]:
-        return {n: os.path.join(where, n) for n in os.listdir(where) if any(fnmatch.fnmatch(n, p) for p in MODULE_FILES)
+        return {n: os.path.join(where, n) for n in os.listdir(where) if any(fnmatch.fnmatch(n, p) for p in patterns)
                 and os.path.isfile(os.path.join(where, n)) and not os.path.islink(os.path.join(where, n))}
 
     base = weights_folder(folder)
@@ -120,11 +126,11 @@ def copy_module_folder(folder: str, out: str) -> list[str]:
 
 def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = False, **kwargs) -> nn.Module:
     """One module back from its folder: built on the meta device (`empty_init`: it is read once wrapped), or loaded
-    by its class's `from_pretrained(folder, **kwargs)` with a LoRA adapter beside the weights injected (merged into
+    by its format (a transformers class's `from_pretrained(folder, **kwargs)`) with a LoRA adapter beside the weights injected (merged into
     plain weights by PEFT with `merge_lora`)."""
     if empty_init:
         return build_empty(module_cls, folder)
-    module = module_cls.from_pretrained(weights_folder(folder), **kwargs)  # a LoRA base written apart: from there
+    module = format_of(module_cls).load(module_cls, weights_folder(folder), **kwargs)  # a LoRA base apart: there
     if has_adapter(folder):
         load_adapter(module, folder)  # transformers may have loaded it already: then it is adopted
         if merge_lora:

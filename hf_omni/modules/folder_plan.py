@@ -3,9 +3,10 @@ file) would write, with its dtype, shape and byte offset, so that every rank can
 in place and no rank holds the module (`folder_write`).
 
 The keys come from what a save applies, run on meta placeholders of the module's tensors (in the dtype each is
-exported in): PEFT's additions split off, `_keys_to_ignore_on_save`, tied aliases dropped by transformers' rule
-(a key matching the model's tied-weight patterns goes, unless every alias matches), transformers' save-time key
-conversion. A key whose placeholder comes out as the same object is one of the module's tensors written as is;
+exported in): PEFT's additions split off, the keys its format leaves out (transformers' `_keys_to_ignore_on_save`),
+tied aliases dropped by transformers' rule (a key matching the model's tied-weight patterns goes, unless every
+alias matches), its format's save-time key conversion (`ModuleFormat.convert_keys`; the file names are the
+format's too). A key whose placeholder comes out as the same object is one of the module's tensors written as is;
 the others are derived (MoE experts split on save): each group of source tensors converted together is written
 by one rank, from the source tensors gathered there. The files are split as transformers splits them
 (`split_torch_state_dict_into_shards`, 50 GB); each file is a safetensors header followed by the tensors in
@@ -21,13 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..compat import keys_to_ignore_on_save, tied_weight_patterns, transformers_save_keys
+from ..compat import tied_weight_patterns
 from ..dtypes import SAFETENSORS
-from .classes import save_view
+from ..formats.interface import format_of
 from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
 
-WEIGHTS_FILE = "model{suffix}.safetensors"
-INDEX = "model.safetensors.index.json"
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 
 
@@ -55,7 +54,7 @@ class FolderPlan:
     entries: list[Entry] = field(default_factory=list)
     groups: list[tuple[str, list[str]]] = field(default_factory=list)  # (WEIGHTS | ADAPTER, source tensor names)
     aliases: dict[str, list[str]] = field(default_factory=dict)  # a derived group's source -> its state-dict keys
-    index: dict | None = None  # model.safetensors.index.json, when the weights span several files
+    index: dict | None = None  # the format's index (model.safetensors.index.json), when the weights span files
 
     def size(self, name: str) -> int:
         return len(self.files[name]) + sum(e.nbytes for e in self.entries if e.file == name)
@@ -112,12 +111,14 @@ def drop_tied_aliases(model: nn.Module, state: dict) -> dict:
 
 
 def weights_keys(module: nn.Module, state: dict) -> dict[str, torch.Tensor]:
-    """What `save_pretrained` would write for `state` (tensors or meta stand-ins), by key, in its order."""
-    view = save_view(module)
+    """What `save_pretrained` would write for `state` (tensors or meta stand-ins), by key, in its order: the keys
+    its format leaves out dropped, tied aliases dropped, the format's save-time key conversion applied."""
+    fmt = format_of(module)
+    view = fmt.save_view(module)
     base = base_state_dict(state)
-    for key in keys_to_ignore_on_save(view):
+    for key in fmt.keys_to_ignore(view):
         base.pop(key, None)
-    return transformers_save_keys(view, drop_tied_aliases(view, base))
+    return fmt.convert_keys(view, drop_tied_aliases(view, base))
 
 
 def _groups(convert, state: dict, owner: dict[int, str], derived: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -157,7 +158,8 @@ def plan_folder(module: nn.Module, dtypes: dict[str, torch.dtype] | None = None,
     state, owner = placeholders(module, dtypes or {})
     plan = FolderPlan()
     weights = weights_keys(module, state)
-    split = split_torch_state_dict_into_shards(weights, filename_pattern=WEIGHTS_FILE, max_shard_size=max_shard_size)
+    pattern = format_of(module).weights_pattern  # transformers': model{suffix}.safetensors
+    split = split_torch_state_dict_into_shards(weights, filename_pattern=pattern, max_shard_size=max_shard_size)
     layout = [(WEIGHTS, name, {k: weights[k] for k in keys}) for name, keys in split.filename_to_tensors.items()]
     if split.is_sharded:
         total = module.num_parameters() if hasattr(module, "num_parameters") else None  # as transformers records

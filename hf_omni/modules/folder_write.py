@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group, is_main
+from ..formats.interface import index_names
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
 from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
-from .folder_plan import INDEX, WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
+from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .lora_merge import full, merged_rows
 from .tensor_layout import module_tensors
 
@@ -41,7 +42,7 @@ def remove_weight_files(folder: str) -> None:
     """Stale safetensors files and index of an earlier save into `folder` (rank 0, before any rank writes)."""
     if os.path.isdir(folder):
         for name in os.listdir(folder):
-            if name.endswith(".safetensors") or name == INDEX:
+            if name.endswith(".safetensors") or name in index_names():
                 os.remove(os.path.join(folder, name))
 
 

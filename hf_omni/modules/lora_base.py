@@ -18,6 +18,8 @@ import os
 
 from torch import nn
 
+from ..compat import keeps_running_stats
+from ..formats.interface import weights_names
 from .folder_plan import ADAPTER
 from .lora import ADAPTER_CONFIG, has_adapter, lora_config_of
 from .tensor_layout import file_layout
@@ -30,7 +32,6 @@ SEARCH_DEPTH = 4  # parents of a module folder searched for frozen/<name>/
 def has_fixed_base(module: nn.Module) -> bool:
     """A LoRA module whose base cannot change in training: every parameter that trains lives in the adapter file
     (LoRA matrices, DoRA magnitudes, `modules_to_save` copies), and no layer keeps running statistics."""
-    from ..compat import keeps_running_stats
 
     if lora_config_of(module) is None:
         return False
@@ -41,7 +42,7 @@ def has_fixed_base(module: nn.Module) -> bool:
 
 
 def has_weights(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, n)) for n in ("model.safetensors", "model.safetensors.index.json"))
+    return any(os.path.isfile(os.path.join(folder, n)) for n in weights_names(folder))
 
 
 def base_reference(folder: str) -> str | None:

@@ -9,6 +9,7 @@ import torch
 
 from ..dtypes import BY_SAFETENSORS_NAME
 from ..errors import DamagedFileError
+from ..formats.interface import weights_names
 
 
 class SafetensorsIndex:
@@ -53,11 +54,13 @@ class SafetensorsIndex:
 
     @classmethod
     def for_weights(cls, folder: str) -> "SafetensorsIndex":
-        index = os.path.join(folder, "model.safetensors.index.json")
+        """The weights of a module folder, under its format's names (`formats.interface.weights_names`)."""
+        weights, index = weights_names(folder)
+        index = os.path.join(folder, index)
         if os.path.isfile(index):
             with open(index) as f:
                 return cls(folder, [], dict(json.load(f)["weight_map"]))
-        return cls(folder, ["model.safetensors"])
+        return cls(folder, [weights])
 
     def __contains__(self, key: str) -> bool:
         return key in self.files

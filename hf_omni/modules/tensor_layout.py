@@ -2,7 +2,7 @@
 one a save writes as is, the file (weights or adapter) and the keys it goes under (`file_layout`).
 
 The layout is traced, not guessed: meta placeholders of the module's tensors go through exactly what a save applies
-(LoRA keys split off, transformers' save-time key conversion, PEFT's adapter naming), and a placeholder that comes
+(LoRA keys split off, the format's save-time key conversion, PEFT's adapter naming), and a placeholder that comes
 out under some key, as the same object, is stored there as is.
 """
 
@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..compat import transformers_save_keys
-from .classes import save_view
+from ..formats.interface import format_of
 from .folder_plan import ADAPTER, WEIGHTS
 from .lora import adapter_state_dict, base_state_dict, lora_config_of
 
@@ -41,7 +40,8 @@ def file_layout(module: nn.Module) -> dict[str, tuple[str, list[str]]]:
         placeholders[name] = made[id(t)][0]
     canonical = {id(ph): name for ph, name in made.values()}
     layout: dict[str, tuple[str, list[str]]] = {}
-    for key, t in transformers_save_keys(save_view(module), base_state_dict(placeholders)).items():
+    fmt = format_of(module)
+    for key, t in fmt.convert_keys(fmt.save_view(module), base_state_dict(placeholders)).items():
         if id(t) in canonical:
             layout.setdefault(canonical[id(t)], (WEIGHTS, []))[1].append(key)
     if lora_config_of(module) is not None:

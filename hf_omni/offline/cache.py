@@ -25,6 +25,7 @@ from ..checkpoint.marker import read_json
 from ..checkpoint.shard_writer import raw_bytes
 from ..compat import dataset_fingerprint
 from ..dist import agreed, is_main, rank, world_size
+from ..formats.interface import format_of
 from ..progress import each
 from .ragged import row_counts, split_rows
 
@@ -90,7 +91,7 @@ def fingerprint(model, spec, dataset, folder: str | None, collator=None) -> dict
     import transformers
 
     module = getattr(model, spec.module)
-    config = {k: v for k, v in module.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    config = format_of(module).describe(module)  # a transformers module: its config, less where it was saved
     dtypes = sorted({str(t.dtype) for t in list(module.parameters()) + list(module.buffers())})
     return {"weights": files_hash(folder) if folder else tensors_hash(dict(module.state_dict())),
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),

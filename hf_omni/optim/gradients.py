@@ -42,8 +42,8 @@ def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | None,
                     device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`optimizer`: the modules' `optimizers.ModuleOptimizers`. Each module's pre-clip gradient norm on `device` (default:
-    its first parameter's), and the combined one, sqrt(sum of squares). With `global_limit` every module is clipped
+    """`optimizer`: the modules' `optimizers.ModuleOptimizers`. Each module's pre-clip gradient norm on `device`
+    (default: its first parameter's), and the combined one, sqrt(sum of squares). With `global_limit` every module is clipped
     to it by the combined norm; else each module to its own limit (0: none). An offloaded module's CPU gradients
     are scaled by a norm on the accelerator: torch copies that one number to the host (its optimizer steps there
     anyway)."""

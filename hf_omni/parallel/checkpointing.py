@@ -1,11 +1,13 @@
 """`activation_checkpointing` of one module, through the released classes' own checkpointing (transformers' per-layer
 `activation_checkpointing_enable`).
 
-A composed module is one `PreTrainedModel`: its own. An adopted model's module (a `modules.units.RootedModule`) is a
-container of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel` supporting
-it (LLaVA's `model.language_model`), else the outermost such models inside the root, checkpoint their own layers; a
-root with none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module: its layers keep their own
-setting. Nothing to checkpoint in the whole module is refused, naming the module and key, before any compute.
+Which models' own checkpointing covers a module is its format's answer (`ModuleFormat.checkpointed_models`): a
+composed module is one `PreTrainedModel`: its own. An adopted model's module (`adopt.parts.Part`, `adopt.format`)
+is a container of the released model's submodules, not a model: each of its roots that is a `PreTrainedModel`
+supporting it (LLaVA's `model.language_model`), else the outermost such models inside the root, checkpoint their
+own layers; a root with none (`lm_head`) has nothing to recompute. A carved-out child belongs to another module:
+its layers keep their own setting. Nothing to checkpoint in the whole module is refused, naming the module and
+key, before any compute.
 """
 
 from __future__ import annotations
@@ -14,46 +16,22 @@ from torch import nn
 
 from ..compat import gradient_checkpointing_attributes
 from ..errors import OmniArgumentError
-from ..modules.units import RootedModule
+from ..formats.interface import format_of
 
 _UNSET = object()
 _FLAGS = gradient_checkpointing_attributes()
 
 
-def _supports(module: nn.Module) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(module, PreTrainedModel) and bool(getattr(module, "supports_gradient_checkpointing", False))
-
-
-def _outermost(module: nn.Module, skip: set[int]) -> list[nn.Module]:
-    if id(module) in skip:
-        return []
-    if _supports(module):
-        return [module]
-    return [found for child in module.children() for found in _outermost(child, skip)]
-
-
 def checkpointed_models(module: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """(model whose own checkpointing covers part of `module`, the carved-out submodules inside it), for each."""
-    if not isinstance(module, RootedModule):
-        return [(module, [])] if getattr(module, "supports_gradient_checkpointing", False) else []
-    found = []
-    for root in module.omni_roots:
-        carved = [root.module.get_submodule(c) for c in root.carved]
-        for model in _outermost(root.module, {id(c) for c in carved}):
-            inside = {id(m) for m in model.modules()}
-            found.append((model, [c for c in carved if id(c) in inside]))
-    return found
+    """(model whose own checkpointing covers part of `module`, the carved-out submodules inside it), for each: its
+    format's answer (`ModuleFormat.checkpointed_models`)."""
+    return format_of(module).checkpointed_models(module)
 
 
 def check_activation_checkpointing(module: nn.Module, name: str) -> list[tuple[nn.Module, list[nn.Module]]]:
     models = checkpointed_models(module)
     if not models:
-        what = (f"none of its paths {[r.path for r in module.omni_roots]} is or holds a transformers model that "
-                "supports it (gradient checkpointing)") if isinstance(module, RootedModule) else \
-            f"{type(module).__name__} does not support activation checkpointing"
-        raise OmniArgumentError(name, "activation_checkpointing", what)
+        raise OmniArgumentError(name, "activation_checkpointing", format_of(module).no_checkpointing_reason(module))
     return models
 
 

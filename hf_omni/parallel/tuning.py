@@ -41,7 +41,7 @@ def apply_lora(module: nn.Module, margs) -> bool:
 def check_supported(module: nn.Module, name: str) -> None:
     """Quantised bases (QLoRA) and PEFT methods other than LoRA are refused for now: checkpoints, exports and
     merges of them are not proven."""
-    if getattr(module, "is_quantized", False) or getattr(module.config, "quantization_config", None):
+    if getattr(module, "is_quantized", False) or getattr(getattr(module, "config", None), "quantization_config", None):
         raise OmniArgumentError(name, "lora", "quantised modules (QLoRA) are not supported yet")
     configs = getattr(module, "peft_config", None) or {}
     from peft import LoraConfig

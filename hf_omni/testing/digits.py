@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
 from ..modeling import OmniModel
-from ..projector import Projector, ProjectorConfig
 from ..offline.encoder import offline_encoder
+from ..projector import Projector, ProjectorConfig
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SPECIAL = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]

@@ -55,7 +55,7 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
         self.can_return_loss = can_return_loss(owner)
         self._init_hub()
         for module in model.omni_modules().values():  # Trainer sets `use_cache` on its one model's config
-            if hasattr(module.config, "use_cache"):
+            if hasattr(getattr(module, "config", None), "use_cache"):  # a module of another format may have none
                 module.config.use_cache = args.use_cache
         # label smoothing inside the modules that compute the loss (label_smoothing.py), not on Trainer's logits
         self.smoothed_losses = label_smoothing.install(model, args.label_smoothing_factor) \
