@@ -65,7 +65,7 @@ def writer_rates(optimizer, model, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 
-    from hf_omni.checkpoint.module_state import split
+    from hf_omni.checkpoint.state_json import split
     from hf_omni.checkpoint.shard_writer import ShardWriter
 
     state = {"optimizer": {"state": split(optimizer.state_dict()["llm"], root)[0]}}

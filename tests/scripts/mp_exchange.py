@@ -56,7 +56,7 @@ def two_towers(rank: int, tower) -> str:
     """Gathers per forward, then the gradients' sums, as one line."""
     import copy
 
-    import hf_omni.dist
+    import hf_omni.offline.exchange
 
     plugin = OmniPlugin(modules={"vision": {"parallel": "ddp"}, "audio": {"parallel": "ddp"}},
                         defaults={"learning_rate": 1e-3})
@@ -68,13 +68,13 @@ def two_towers(rank: int, tower) -> str:
     statistic = model.vision.embedder.embedder.normalization.running_var
     if rank == 1:
         statistic.fill_(7.0)
-    counted, gathers, original = [0], [], hf_omni.dist.all_gather_host
+    counted, gathers, original = [0], [], hf_omni.offline.exchange.all_gather_host
 
     def all_gather_host(rows, group):
         counted[0] += 1
         return original(rows, group)
 
-    hf_omni.dist.all_gather_host = all_gather_host
+    hf_omni.offline.exchange.all_gather_host = all_gather_host  # where the exchange looks it up
     for step in range(3):
         counted[0] = 0
         sound = torch.rand(2, 1, 4, 4)  # drawn on every rank: both ranks' data stay alike
