@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 
 from transformers import PretrainedConfig
 
+from .formats.interface import config_files
+
 
 @dataclass
 class ModuleEntry:
@@ -126,7 +128,6 @@ def module_folder(root: str, config: OmniConfig, name: str) -> str:
     module (a `config.json`, or another format's config file), else its recorded source, which must be an HF module folder. The subfolder must stay
     inside `root` (a symlink leaving it is refused). A clear error naming the module otherwise. (A module folder:
     one holding a module format's config file, `formats.interface`.)"""
-    from .formats.interface import config_files
 
     entry = config.module_entry(name)
     folder = os.path.join(root, entry.subfolder)

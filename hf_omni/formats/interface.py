@@ -16,6 +16,8 @@ import os
 
 from torch import nn
 
+from ..compat import in_place_wrapper_classes
+
 
 class ModuleFormat:
     """A kind of module. Subclass it, set the file names, write the methods that raise here; the defaults are those
@@ -141,7 +143,6 @@ def register_shipped(cls: type) -> type:
 
 def original_class(module: nn.Module) -> type:
     """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
-    from ..compat import in_place_wrapper_classes
 
     wrappers = in_place_wrapper_classes()
     cls = type(module)

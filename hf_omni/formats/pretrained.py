@@ -16,6 +16,7 @@ from ..compat import config_name_or_path, keys_to_ignore_on_save, transformers_s
 from ..modules import classes
 from ..modules.empty_init import apply_dtype_plan, load_generation_config, saved_dtype
 from ..modules.meta import meta_build
+from ..modules.safetensors_index import SafetensorsIndex
 from .interface import ModuleFormat, register_shipped
 
 AUTO_CLASSES = (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
@@ -115,7 +116,6 @@ class TransformersFormat(ModuleFormat):
 
     def rebuild_difference(self, cls: type, folder: str, origin: str) -> str | None:
         """The configs compared without bookkeeping keys, each with the dtype `dtype="auto"` loads it in."""
-        from ..modules.safetensors_index import SafetensorsIndex
 
         ours, theirs = (cls.config_class.from_pretrained(f).to_dict() for f in (folder, origin))
         for config, where in ((ours, folder), (theirs, origin)):

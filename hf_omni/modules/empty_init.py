@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import keep_in_fp32_plan, own_tensors
+from ..formats.interface import format_of
 from .lora import has_adapter
 from .lora_base import weights_folder
 
@@ -36,7 +37,6 @@ def build_empty(module_cls, folder: str) -> nn.Module:
     """The module of `folder` with parameters on the meta device and real buffers, as its format's loading builds
     it (`ModuleFormat.build_empty`: a transformers model tied, in its loading dtypes, with its generation config);
     a LoRA adapter beside the weights is injected, empty too."""
-    from ..formats.interface import format_of
 
     weights = weights_folder(folder)  # a LoRA checkpoint's folder: its config is its base's
     module = format_of(module_cls).build_empty(module_cls, weights, folder)
