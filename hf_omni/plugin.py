@@ -35,9 +35,9 @@ from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
-from .parallel.checkpointing import check_checkpointed_modules
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .profile import ModuleProfile
+from .tuning.checkpointing import check_checkpointed_modules
 
 
 class OmniPlugin:

@@ -13,7 +13,7 @@ from released_models import BUILDERS, MODULES, Rows, collate
 from safetensors import safe_open
 
 from hf_omni import OmniModel, OmniTrainer
-from hf_omni.modules.lora import base_state_dict
+from hf_omni.lora.adapters import base_state_dict
 
 FAMILIES = list(BUILDERS)
 SETTINGS = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2},

@@ -11,7 +11,7 @@ from helpers import make_args, step_losses
 from released_models import BUILDERS, MODULES, Rows, collate
 
 from hf_omni import OmniModel, OmniTrainer
-from hf_omni.parallel.checkpointing import apply_activation_checkpointing
+from hf_omni.tuning.checkpointing import apply_activation_checkpointing
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 

@@ -172,10 +172,10 @@ LAYERS = [
     ("optim", "profile", "module_bytes", "testing"),
     ("adopt",),
     ("modeling", "arguments", "projector"),
-    ("parallel", "hub", "model_hooks"),
+    ("parallel", "hub", "model_hooks", "tuning"),
     ("offline",),
     ("checkpoint",),
-    ("modules", "formats/pretrained"),
+    ("modules", "lora", "formats/pretrained"),
     ("shards",),
     ("compat", "dist", "config", "errors", "keys", "dtypes", "progress", "formats"),
 ]

@@ -15,7 +15,7 @@ from hf_omni import OmniTrainer
 from hf_omni.checkpoint.files import check_complete, rotate
 from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
-from hf_omni.modules.lora_base import has_fixed_base, weights_folder
+from hf_omni.lora.base import has_fixed_base, weights_folder
 
 MODULES = {
     "vision": {"trainable": False},

@@ -210,7 +210,7 @@ def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypat
     from safetensors.torch import load_file
 
     import hf_omni.modules.folder as folder_io
-    from hf_omni.modules.lora import base_state_dict, merged_module
+    from hf_omni.lora.adapters import base_state_dict, merged_module
 
     config, by_rows = LORA_KINDS[kind]
     model = tiny_model().eval()

@@ -114,7 +114,7 @@ def test_top_level_lora_matching_nothing_leaves_module_frozen(tmp_path, caplog):
     before = {k: v.clone() for k, v in model.projector.state_dict().items()}
     args = make_args(tmp_path, lora={"r": 2, "target_modules": ["q_proj"]}, modules={"vision": {"trainable": False}})
     trainer = OmniTrainer(model=model, args=args, train_dataset=data)
-    with caplog.at_level("INFO", logger="hf_omni.parallel.tuning"):
+    with caplog.at_level("INFO", logger="hf_omni.lora.inject"):
         trainer.train()
     assert "projector" in caplog.text and "fully frozen" in caplog.text
     assert trainer.plugin.trainable == ["llm"]

@@ -9,16 +9,16 @@ import functools
 import os
 
 from ..dist import agreed, checkpoint_group, is_main
+from ..lora.adapters import lora_config_of
+from ..lora.merge import row_merge_plan
 from ..modules.folder_plan import plan_folder
 from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
-from ..modules.lora import lora_config_of
-from ..modules.lora_merge import row_merge_plan
 from ..modules.tensor_layout import module_tensors
 from ..modules.weights import fill_module
 
 
 def merge_plan(model) -> dict | None:
-    """The row-by-row LoRA merge of every module with an adapter (`lora_merge.row_merge_plan`), keyed by the
+    """The row-by-row LoRA merge of every module with an adapter (`lora.merge.row_merge_plan`), keyed by the
     released model's tensor names (a module's names are the released model's)."""
 
     merge = {}

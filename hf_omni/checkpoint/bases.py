@@ -1,4 +1,4 @@
-"""LoRA bases written once per run (`modules.lora_base`): the write, the marker's record of them, their checks at
+"""LoRA bases written once per run (`lora.base`): the write, the marker's record of them, their checks at
 resume and in the CLI, and which of them rotation may delete.
 
     first save of a run (or after resuming from a checkpoint whose base is outside this run's `frozen/`):
@@ -18,11 +18,10 @@ import secrets
 from dataclasses import dataclass
 
 from ..dist import agreed, broadcast_from_main, is_main
+from ..lora.base import BASE_MARKER, FROZEN, find_base, read_base_marker
 from ..modules import folder_write
-from ..modules.lora_base import BASE_MARKER, FROZEN, find_base, read_base_marker
 from .digests import check_share, hash_checkpoint
 from .marker import MARKER, check_files, complete_checkpoints, file_sizes, read_marker, write_marker
-
 
 SHARED = "restore this file from a copy (every checkpoint of the run that refers to this base shares it)"
 

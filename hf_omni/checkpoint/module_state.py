@@ -21,8 +21,8 @@ import os
 import torch
 
 from ..dist import checkpoint_group
+from ..lora.base import has_fixed_base
 from ..modules.folder_plan import plan_folder
-from ..modules.lora_base import has_fixed_base
 from ..modules.tensor_layout import file_layout, module_tensors
 from ..shards.replicas import load_once
 from .shard_reader import ShardReader
@@ -165,7 +165,7 @@ class ModuleState:
 
     @property
     def fixed_base(self) -> bool:
-        """A LoRA module whose base never changes (`lora_base.has_fixed_base`): its base is written once."""
+        """A LoRA module whose base never changes (`lora.base.has_fixed_base`): its base is written once."""
         if self._fixed_base is None:
             self._fixed_base = has_fixed_base(self.slot.module)
         return self._fixed_base

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 
 from ..config import OmniConfig, module_folder, repo_id_error
+from ..lora.base import weights_folder
 from ..modules.folder import adapter_config_with_base, module_paths
-from ..modules.lora_base import weights_folder
 from .cards import composition_card, module_card, read_summary
 from .checkpoint_push import folder_operations
 from .commit import commit

@@ -22,8 +22,8 @@ from torch import nn
 
 from ..compat import keep_in_fp32_plan, own_tensors
 from ..formats.interface import format_of
-from .lora import has_adapter
-from .lora_base import weights_folder
+from ..lora.adapters import has_adapter
+from ..lora.base import weights_folder
 
 
 def saved_dtype(config) -> torch.dtype | None:

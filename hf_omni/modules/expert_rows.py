@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .folder_plan import FolderPlan, plan_folder, weights_keys
-from .lora_base import weights_folder
+from ..lora.base import weights_folder
 from ..shards.box import local_box, local_of
 from ..shards.replicas import read_once
+from .folder_plan import FolderPlan, plan_folder, weights_keys
 from .safetensors_index import SafetensorsIndex
 from .tensor_layout import module_tensors
 

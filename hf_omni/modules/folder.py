@@ -19,12 +19,12 @@ from torch import nn
 
 from ..dist import agreed, checkpoint_group, is_main
 from ..formats.interface import folder_patterns, format_of
+from ..lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
+from ..lora.base import weights_folder
+from ..lora.merge import row_merge_plan
 from . import folder_write
 from .empty_init import build_empty
 from .folder_plan import plan_folder
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
-from .lora_base import weights_folder
-from .lora_merge import row_merge_plan
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -46,7 +46,7 @@ def processor_kind(processor: Any) -> str:
 def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
                 dtype: torch.dtype | None = None) -> None:
     """The main process: a LoRA module merged by PEFT itself (`lora.merged_module`, from its gathered `state`)
-    written to `folder` by transformers' `save_pretrained` — for the adapters `lora_merge` cannot merge row by
+    written to `folder` by transformers' `save_pretrained` — for the adapters `lora.merge` cannot merge row by
     row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
     merged = merged_module(module, state)
     os.makedirs(folder, exist_ok=True)
@@ -89,7 +89,7 @@ def module_files(folder: str) -> list[str]:
 
 def module_paths(folder: str) -> dict[str, str]:
     """A module folder's HF files (`MODULE_FILES`, regular files, no links): name -> path. A LoRA checkpoint folder
-    whose base was written apart (`lora_base`) gets the base's weight files too, as if they were beside it."""
+    whose base was written apart (`lora.base`) gets the base's weight files too, as if they were beside it."""
     import fnmatch
 
     patterns = module_patterns()
@@ -142,7 +142,7 @@ def load_module(module_cls, folder: str, empty_init: bool, merge_lora: bool = Fa
 def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: bool = True,
                   max_shard_size: str | int = "50GB") -> None:
     """`slot`'s module as an HF folder. A module with sharded tensors: every rank calls this and writes its own
-    rows in place (`merge_lora`: merged row by row, `lora_merge`; a LoRA that needs PEFT's own merge is gathered
+    rows in place (`merge_lora`: merged row by row, `lora.merge`; a LoRA that needs PEFT's own merge is gathered
     and merged on the main process); any other module: the main process writes it alone, as transformers'
     `save_pretrained` would."""
     lora = lora_config_of(slot.module) is not None

@@ -25,7 +25,7 @@ from torch import nn
 from ..compat import tied_weight_patterns
 from ..dtypes import SAFETENSORS
 from ..formats.interface import format_of
-from .lora import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
+from ..lora.adapters import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
 
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 
@@ -60,7 +60,7 @@ class FolderPlan:
         return len(self.files[name]) + sum(e.nbytes for e in self.entries if e.file == name)
 
     def adapter_only(self) -> "FolderPlan":
-        """The adapter file alone: a checkpoint's folder of a LoRA module whose base is written once (`lora_base`)."""
+        """The adapter file alone: a checkpoint's folder of a LoRA module whose base is written once (`lora.base`)."""
         return FolderPlan({n: h for n, h in self.files.items() if n == ADAPTER_WEIGHTS},
                           [e for e in self.entries if e.file == ADAPTER_WEIGHTS], self.groups, self.aliases)
 

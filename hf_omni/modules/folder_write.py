@@ -28,11 +28,11 @@ from torch import nn
 
 from ..dist import has_process_group, is_main
 from ..formats.interface import index_names
+from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
 from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
-from .lora_merge import full, merged_rows
 from .tensor_layout import module_tensors
 
 SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank
@@ -173,9 +173,9 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
     `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
     groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
-    sharded tensor, saved by one rank). `merge` (`lora_merge.row_merge_plan`, with a `merged` plan): each LoRA
+    sharded tensor, saved by one rank). `merge` (`lora.merge.row_merge_plan`, with a `merged` plan): each LoRA
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
-    is written apart, `lora_base`). `main_only`: tensors the main process writes alone (only it holds them: an
+    is written apart, `lora.base`). `main_only`: tensors the main process writes alone (only it holds them: an
     adopted model's offline module, read back from its source for the write)."""
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)

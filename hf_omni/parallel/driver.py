@@ -21,10 +21,10 @@ from ..dist import has_process_group, world_size
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
+from ..tuning.modes import apply_training_mode
 from .mesh import Meshes, mesh_shape
 from .nesting import apply_order
 from .strategy import MODEL_SCOPE, STRATEGIES, Strategy
-from .tuning import apply_training_mode
 
 
 @dataclass

@@ -15,13 +15,13 @@ import sys
 import torch
 import torch.distributed as dist
 from helpers import full_state, save_every_rank, tiny_data
+from launching import end_distributed
 
 from hf_omni import OmniPlugin
 from hf_omni.checkpoint import digests
 from hf_omni.testing.collectives import ReceivedBytes
 from hf_omni.testing.digits import Captioner, build_model
 from hf_omni.testing.reads import count_reads
-from launching import end_distributed
 
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
 LAYOUTS = {  # HSDP first: its empty_init fill is the first thing that agrees, before any checkpointer exists
@@ -246,7 +246,7 @@ def merged_lora_export(out_dir: str) -> dict:
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from hf_omni.modules.lora import merged_module
+    from hf_omni.lora.adapters import merged_module
 
     out = os.path.join(out_dir, "lora")
     plugin = OmniPlugin(modules=LORA, defaults={"learning_rate": 1e-2}, output_dir=out)

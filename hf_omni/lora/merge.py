@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..shards.box import local_of, local_rows, sharded_off_rows
-from .lora import lora_config_of
+from .adapters import lora_config_of
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What trains inside a module, applied before it is wrapped: freeze, LoRA (PEFT, in place), activation
-checkpointing; each from the module's resolved `arguments.module.ModuleArguments` (`margs`)."""
+"""Injecting LoRA into a module in place (PEFT), only the adapters training, and refusing what hf_omni does not
+prove yet (quantised bases, PEFT methods other than LoRA)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,9 @@ from torch import nn
 
 from ..compat import inject_lora
 from ..errors import OmniArgumentError
-from ..modules.lora import lora_config_of
-from .checkpointing import apply_activation_checkpointing
+from .adapters import lora_config_of
 
 logger = logging.getLogger(__name__)
-
-
-def freeze(module: nn.Module) -> None:
-    module.requires_grad_(False)
-    module.eval()
 
 
 def apply_lora(module: nn.Module, margs) -> bool:
@@ -50,19 +44,3 @@ def check_supported(module: nn.Module, name: str) -> None:
         if adapter != "default" or type(config) is not LoraConfig:
             raise OmniArgumentError(name, "lora", f"adapter {adapter!r} is a {type(config).__name__}: only one LoRA "
                                     "adapter named 'default' is supported (no IA3, LoHa, LoKr or prompt tuning yet)")
-
-
-def apply_training_mode(module: nn.Module, margs) -> bool:
-    """Freeze | LoRA, then activation checkpointing. Returns whether anything in the module still trains."""
-    check_supported(module, margs.name)
-    trainable = margs.trainable
-    if trainable and margs.lora:
-        freeze(module)
-        trainable = apply_lora(module, margs)
-    elif not trainable:
-        freeze(module)
-    if trainable and not any(p.requires_grad for p in module.parameters()):
-        trainable = False  # nothing left to train in it: treat as fully frozen
-    if trainable and margs.activation_checkpointing:
-        apply_activation_checkpointing(module, margs)
-    return trainable

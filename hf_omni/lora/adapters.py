@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..compat import adopt_loaded_adapter, own_tensors
-from .classes import original_class
-from .meta import meta_build
+from ..modules.classes import original_class
+from ..modules.meta import meta_build
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

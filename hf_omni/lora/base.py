@@ -20,9 +20,9 @@ from torch import nn
 
 from ..compat import keeps_running_stats
 from ..formats.interface import weights_names
-from .folder_plan import ADAPTER
-from .lora import ADAPTER_CONFIG, has_adapter, lora_config_of
-from .tensor_layout import file_layout
+from ..modules.folder_plan import ADAPTER
+from ..modules.tensor_layout import file_layout
+from .adapters import ADAPTER_CONFIG, has_adapter, lora_config_of
 
 BASE_MARKER = "hf_omni_base.json"
 FROZEN = "frozen"
