@@ -4,8 +4,9 @@
 Every `hf_omni/**/*.py` is parsed with `ast`; every import of an hf_omni module, at the top or anywhere below it, is an
 edge (relative imports resolved; `from . import x` where x is a submodule is an edge to that submodule). A strongly
 connected component of more than one file is a circle, and fails naming its files unless it is allowed below.
-Imports of a package's face (`__init__.py`) are not counted (see `import_graph`), nor those under
-`if TYPE_CHECKING:` (annotations only: the slot is typed with classes of the layers above it).
+A package's face (`__init__.py`) is a file like any other: importing a name it defines is an edge to it, and its
+own imports are its edges. Imports under `if TYPE_CHECKING:` are not counted (annotations only: the slot is typed
+with classes of the layers above it).
 """
 
 from __future__ import annotations
@@ -36,12 +37,16 @@ def _imported(node: ast.AST, module: str, is_package: bool, modules: dict[str, s
     """The hf_omni modules one import statement of `module` names."""
     if isinstance(node, ast.Import):
         targets = [alias.name for alias in node.names]
-    elif node.level:
-        base = module.split(".")[:len(module.split(".")) - node.level + (1 if is_package else 0)]
-        parent = ".".join(base + ([node.module] if node.module else []))
-        targets = [parent] + [f"{parent}.{alias.name}" for alias in node.names]
     else:
-        targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        if node.level:
+            base = module.split(".")[:len(module.split(".")) - node.level + (1 if is_package else 0)]
+            parent = ".".join(base + ([node.module] if node.module else []))
+        else:
+            parent = node.module
+        subs = [f"{parent}.{alias.name}" for alias in node.names]
+        # `from pkg import sub` names the submodule; a name defined in `pkg` names pkg (its face, for a package)
+        targets = [sub for sub in subs if sub in modules]
+        targets += [parent] if any(sub not in modules for sub in subs) else []
     found = set()
     for target in targets:
         while target and target not in modules:  # `import hf_omni.a.b` names hf_omni.a.b; a name in it names it
@@ -77,10 +82,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and (node.level or (
                     node.module or "").split(".")[0] == "hf_omni")):
                 edges |= _imported(node, module, rel.endswith("__init__.py"), modules)
-        # A package's face (`__init__.py`, which re-exports its parts) is not an edge's end, as the layering tools
-        # read it: `compat/hf_api.py` and `torch_api.py` take `resolve` from `compat/__init__.py`, and
-        # `modules/classes.py` looks classes up on `hf_omni` itself; those circles through a face are not checked yet.
-        graph[rel] = {modules[m] for m in edges if not modules[m].endswith("__init__.py")} - {rel}
+        graph[rel] = {modules[m] for m in edges} - {rel}
     return graph
 
 
@@ -136,7 +138,8 @@ def test_the_graph_sees_imports_inside_functions_and_submodules_imported_from_a_
     graph = import_graph()
     assert "hf_omni/hub/push.py" in graph["hf_omni/modeling.py"]  # inside OmniModel.push_to_hub
     assert "hf_omni/modules/folder_write.py" in graph["hf_omni/checkpoint/bases.py"]  # `from ..modules import x`
-    assert "hf_omni/modules/__init__.py" not in graph["hf_omni/checkpoint/bases.py"]  # a face
+    assert "hf_omni/modules/__init__.py" not in graph["hf_omni/checkpoint/bases.py"]  # a submodule, not its face
+    assert "hf_omni/compat/__init__.py" in graph["hf_omni/parallel/fsdp.py"]  # names the face defines
     assert "hf_omni/checkpoint/marker.py" in graph["hf_omni/checkpoint/checkpointer.py"]  # `from . import marker`
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 
@@ -167,6 +170,7 @@ def test_shards_import_neither_file_io_nor_parallel():
 
 # The layers, top to bottom: a file imports files of its own layer or below, never above (design.md section 3).
 LAYERS = [
+    ("__init__",),  # hf_omni's own face: the public names
     ("trainer", "cli"),
     ("plugin",),
     ("optim", "profile", "module_bytes", "testing"),
@@ -194,7 +198,7 @@ def _layer(path: str) -> int:
 def test_every_import_runs_down_the_layers():
     graph = import_graph()
     every = {path.split("/")[1] if path.count("/") > 1 else path.split("/")[1].removesuffix(".py") for path in graph}
-    assert every - {"__init__"} <= {name for names in LAYERS for name in names}, "a package is in no layer"
+    assert every <= {name for names in LAYERS for name in names}, "a package is in no layer"
     upward = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
                     if not src.endswith("__init__.py") and _layer(dst) < _layer(src))
     assert not upward, "imports that run up the layers: " + "; ".join(upward)

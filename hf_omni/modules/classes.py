@@ -64,10 +64,6 @@ def class_record(cls: type, module: str) -> str:
     name = cls.__name__
     if getattr(transformers, name, None) is cls or REGISTERED.get(name) is cls or cls in registered_auto_classes():
         return name
-    import hf_omni
-
-    if getattr(hf_omni, name, None) is cls:
-        return name
     if cls.__module__.startswith("transformers.models.") and getattr(
             importlib.import_module(cls.__module__), name, None) is cls:
         return f"{cls.__module__}.{name}"
@@ -93,8 +89,6 @@ def find_module_class(record: str) -> type[PreTrainedModel] | None:
     code from anywhere else (that would be `trust_remote_code` by the back door)."""
     import transformers
 
-    import hf_omni
-
     candidates = []
     if "." in record:
         path, _, name = record.rpartition(".")
@@ -104,7 +98,7 @@ def find_module_class(record: str) -> type[PreTrainedModel] | None:
             except ImportError:
                 pass  # not in the installed transformers: the caller's error names the record
     else:
-        candidates += [getattr(transformers, record, None), getattr(hf_omni, record, None), REGISTERED.get(record)]
+        candidates += [getattr(transformers, record, None), REGISTERED.get(record)]
         candidates += [c for c in registered_auto_classes() if getattr(c, "__name__", None) == record]
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, PreTrainedModel)), None)
 

@@ -17,14 +17,12 @@ import sys
 
 import torch
 
-import hf_omni
-
 from ..compat import torch_dispatch_mode
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
 COPIES = {aten._to_copy.default, aten.copy_.default}
-PACKAGE = os.path.dirname(os.path.abspath(hf_omni.__file__)) + os.sep
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hf_omni/
 TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 TESTING = os.path.join(PACKAGE, "testing") + os.sep
 STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep  # contextlib, functools, ...: see through them
