@@ -166,6 +166,45 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
     return convert(module, state)
 
 
+def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo: bool, merge: dict | None,
+          buffers: set, files, failed: list) -> list:
+    """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
+    each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
+    tensor redistributed off dim 0 is written to `files` at once (a save without pipeline) and let go; an OSError
+    there goes to `failed`, raised once every rank has joined every collective."""
+    lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
+    jobs = []  # (file, offset, local tensor rows, dtype)
+    for number, entry in enumerate(plan.entries):
+        if entry.source is None:
+            continue
+        source = tensors[entry.source]
+        spec = merge.get(entry.source) if merge else None
+        rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
+        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
+        if share is None:
+            continue
+        lo, hi, local, first = share
+        row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
+        values = local[lo - first:hi - first] if local.ndim else local
+        if spec is not None:
+            values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
+        job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
+        if not values.numel():
+            continue
+        if files is None or not any(sharded_off_rows(tensors[n]) for n in [entry.source, *rowed]):
+            jobs.append(job)
+        elif not failed:  # a share of a redistributed tensor: written now and let go (one extra shard at a time)
+            try:
+                write_tensor(files, *job)
+            except OSError as err:  # raised once every rank has joined every collective below
+                failed.append(err)
+    for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
+        derived = derived_tensors(module, plan, index, dtypes, solo)
+        for entry in (e for e in plan.entries if e.group == index and derived is not None):
+            jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+    return jobs
+
+
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
                         dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
                         base: str | None = None, main_only: frozenset = frozenset()) -> None:
@@ -181,38 +220,9 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
     buffers = {name for name, _ in module.named_buffers()} | set(main_only)  # rank 0's
-    lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
-    jobs = []  # (file, offset, local tensor rows, dtype)
     files, failed = Files(folder) if pipeline is None else None, []  # saved now: a redistributed share at once
     try:  # fds of shares written already are closed whatever fails
-        for number, entry in enumerate(plan.entries):
-            if entry.source is None:
-                continue
-            source = tensors[entry.source]
-            spec = merge.get(entry.source) if merge else None
-            rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
-            share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
-            if share is None:
-                continue
-            lo, hi, local, first = share
-            row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
-            values = local[lo - first:hi - first] if local.ndim else local
-            if spec is not None:
-                values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
-            job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
-            if not values.numel():
-                continue
-            if files is None or not any(sharded_off_rows(tensors[n]) for n in [entry.source, *rowed]):
-                jobs.append(job)
-            elif not failed:  # a share of a redistributed tensor: written now and let go (one extra shard at a time)
-                try:
-                    write_tensor(files, *job)
-                except OSError as err:  # raised once every rank has joined every collective below
-                    failed.append(err)
-        for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
-            derived = derived_tensors(module, plan, index, dtypes, solo)
-            for entry in (e for e in plan.entries if e.group == index and derived is not None):
-                jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
+        jobs = _jobs(module, plan, tensors, dtypes, solo, merge, buffers, files, failed)
     except BaseException:
         if files is not None:
             files.close()
