@@ -120,8 +120,7 @@ class ModuleFormat:
         raise NotImplementedError
 
 
-FORMATS: list[ModuleFormat] = []  # consulted in order
-SHIPPED: list[ModuleFormat] = []  # the formats hf_omni ships, after every registered one
+FORMATS: list[ModuleFormat] = []  # consulted in order: registered ones first (latest first), then the shipped ones
 
 
 def register_module_format(cls: type) -> type:
@@ -136,14 +135,12 @@ def register_module_format(cls: type) -> type:
 
 def register_shipped(cls: type) -> type:
     """A format hf_omni ships, consulted after every registered one (in the order shipped)."""
-    SHIPPED.append(cls())
-    FORMATS.append(SHIPPED[-1])
+    FORMATS.append(cls())
     return cls
 
 
 def original_class(module: nn.Module) -> type:
     """The module's own class, under any in-place wrapper subclass (`FSDPLlama...`, `DDPLlama...`)."""
-
     wrappers = in_place_wrapper_classes()
     cls = type(module)
     while len(cls.__bases__) == 2 and cls.__bases__[0] in wrappers:
