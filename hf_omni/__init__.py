@@ -11,6 +11,7 @@ from .config import OmniConfig
 from .errors import OmniArgumentError
 from .adopt import format as _adopted_format  # noqa: F401 (the shipped formats register on import: this one first)
 from .formats import pretrained as _transformers_format  # noqa: F401
+from .formats import diffusers_models as _diffusers_format  # noqa: F401
 from .formats.interface import ModuleFormat, register_module_format
 from .modeling import OmniModel
 from .modules.classes import register_module_class

@@ -20,6 +20,7 @@ from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
 from .config import OmniConfig, module_folder
 from .hub.ids import LAYOUTS
+from .modeling import OmniModel
 from .hub.push import push_saved
 from .modules.folder import copy_module_folder
 from .offline.serve import ENCODE_ONLY
@@ -36,13 +37,15 @@ def export(checkpoint: str, out: str) -> None:
     released = os.path.join(checkpoint, "released")
     if adopted is not None and not os.path.isfile(os.path.join(released, "config.json")):
         raise FileNotFoundError(f"{checkpoint} is an adopted model's checkpoint without its released/ folder")
-    folders = {} if adopted else {name: module_folder(checkpoint, config, name) for name in config.module_names}
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
-    if adopted:
+    if getattr(config, "pipeline", None):  # a pipeline folder: loaded whole, LoRA merged and in diffusers' file
+        OmniModel.from_pretrained(checkpoint).save_pretrained(partial)
+    elif adopted:
         copy_module_folder(released, partial)
-    for name, folder in each(folders.items(), f"exporting {checkpoint}"):
-        copy_module_folder(folder, os.path.join(partial, config.module_entry(name).subfolder))
-    if not adopted:
+    else:
+        for name in each(config.module_names, f"exporting {checkpoint}"):
+            copy_module_folder(module_folder(checkpoint, config, name),
+                               os.path.join(partial, config.module_entry(name).subfolder))
         config.save_pretrained(partial)
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)

@@ -23,19 +23,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import tempfile
 from typing import Any
 
 from torch import nn
 from transformers import PreTrainedModel
 
 from .config import ModuleEntry, OmniConfig, module_folder
+from .diffusion import lora_file, pipeline as pipeline_io
 from .dist import is_main
 from .formats.interface import FORMATS, adopter, format_of, original_class, record_class, resolve_class
 from .hub.download import download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
 from .hub.push import push_saved
 from .model_hooks import ModelHooks
-from .modules.classes import embeddings_of, is_token_embedding, per_module
+from .modules.classes import model_input_embeddings, per_module
 from .modules.folder import (
     PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
 )
@@ -123,20 +125,16 @@ class OmniModel(ModelHooks, PreTrainedModel):
         return 6 * self.estimate_tokens(input_dict) * self._num_parameters[exclude_embeddings]
 
     def get_input_embeddings(self) -> nn.Module:
-        """The token embeddings of the module named by the class attribute `input_embeddings_module`, or of the one
-        module that has token embeddings (what Trainer's NEFTune adds its noise to)."""
-        name = self.input_embeddings_module
-        if name is None:
-            found = [n for n, m in self.omni_modules().items() if is_token_embedding(embeddings_of(m))]
-            if len(found) != 1:
-                raise ValueError(f"{type(self).__name__}: {len(found)} modules have token embeddings {found}: name "
-                                 f"the one that is the model's with the class attribute input_embeddings_module = "
-                                 f"'<module>' (NEFTune's noise goes there)")
-            name = found[0]
-        if name not in self.module_names:
-            raise ValueError(f"{type(self).__name__}.input_embeddings_module: {name!r} is not a module "
-                             f"{self.module_names}")
-        return getattr(self, name).get_input_embeddings()
+        return model_input_embeddings(self)  # of `input_embeddings_module`, or of the one module that has them
+
+    @classmethod
+    def from_pipeline(cls, pipeline, path=None, **kwargs) -> "OmniModel":
+        """Adopt a diffusers pipeline (`diffusion.pipeline`); saved back as a pipeline folder."""
+        return pipeline_io.from_pipeline(cls, pipeline, path, **kwargs)
+
+    def to_pipeline(self):
+        """A live diffusers pipeline over the modules as they are (sampling during and after training)."""
+        return pipeline_io.to_pipeline(self)
 
     # -- training-mode handling -----------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -162,6 +160,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
         if kwargs.get("state_dict") is not None:
             raise ValueError("OmniModel.save_pretrained writes each module's own state; `state_dict=` is not supported")
         save_directory, is_main_process = str(save_directory), is_main_process and is_main()
+        merge_lora = merge_lora or pipeline_io.is_pipeline(self)  # a pipeline folder holds merged components
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
         for slot in each(list(self.slots.values()), f"exporting to {save_directory}"):
@@ -175,8 +174,10 @@ class OmniModel(ModelHooks, PreTrainedModel):
                     copy_module_folder(source, folder)
                 continue
             export_module(slot, folder, merge_lora, is_main_process, max_shard_size)
+        lora_file.write_lora_file(self, save_directory, is_main_process)  # a pipeline's LoRA: diffusers' file
         if is_main_process:
             self.write_config(save_directory)
+            pipeline_io.write_index(self, save_directory)
 
     def write_config(self, directory: str) -> None:
         """The root `config.json`: module names in order, each one's original class, subfolder, source and
@@ -185,7 +186,9 @@ class OmniModel(ModelHooks, PreTrainedModel):
                                        processor=processor_kind(slot.processor) if slot.processor is not None else None,
                                        trained=slot.trains if self.prepared is not None else slot.entry.trained)
                    for slot in self.slots.values()]
-        OmniConfig(modules=entries, omni_class=original_class(self).__name__).save_pretrained(directory)
+        pipeline = {"pipeline": self.config.pipeline} if getattr(self.config, "pipeline", None) else {}
+        OmniConfig(modules=entries, omni_class=original_class(self).__name__, **pipeline).save_pretrained(directory)
+        pipeline_io.write_parts(self, directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, empty_init: bool = False,
@@ -226,6 +229,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
             if entry.processor in PROCESSOR_KINDS:
                 processors[name] = load_processor(folder, entry.processor)
         model = cls(config, modules=modules, processors=processors)
+        pipeline_io.load_parts(model, root)
         if empty_init:
             for name, slot in model.slots.items():
                 slot.pend(folder_of[name])
@@ -238,8 +242,6 @@ class OmniModel(ModelHooks, PreTrainedModel):
         """Save to a temporary folder and push it (`hub.push.push_saved`): per-module repos plus the composition repo
         `repo_id` (`hub_layout: per_module`), or one repo (`single`). `modules`: `{name: {push_to_hub, hub_model_id}}`.
         With sharded modules every rank calls it; the main process pushes. Returns `{repo: commit}`."""
-        import tempfile
-
         with tempfile.TemporaryDirectory(prefix="hf_omni_push_") as tmp:
             self.save_pretrained(tmp, is_main_process=is_main_process, merge_lora=merge_lora)
             if not is_main_process:

@@ -138,7 +138,9 @@ ALLOWED_PRIVATE = {
     "_getframe": "the standard library's sys._getframe",
     "_fields": "a namedtuple's documented field list",
 }
-CONFIG_KEYS = {"_name_or_path", "_commit_hash"}  # config.json keys as strings (the on-disk format), never attributes
+# config.json / model_index.json keys as strings (the on-disk formats), never attributes
+CONFIG_KEYS = {"_name_or_path", "_commit_hash", "_class_name", "_diffusers_version", "_use_default_values",
+               "_ignore_files"}
 PRIVATE = re.compile(r"_[A-Za-z]\w*")
 
 

@@ -176,7 +176,7 @@ LAYERS = [
     ("optim", "profile", "module_bytes", "testing"),
     ("adopt",),
     ("modeling", "arguments", "projector"),
-    ("parallel", "hub", "model_hooks", "tuning"),
+    ("parallel", "hub", "model_hooks", "tuning", "diffusion"),
     ("offline",),
     ("checkpoint",),
     ("modules", "lora", "formats/pretrained"),

@@ -80,6 +80,11 @@ def copy_tied_weights_keys(source: nn.Module, target: nn.Module) -> None:
     target._tied_weights_keys = getattr(source, "_tied_weights_keys", None)
 
 
+def supports_block_checkpointing(module: nn.Module) -> bool:
+    """A diffusers model whose blocks its `enable_gradient_checkpointing` checkpoints (`_supports_...`)."""
+    return bool(getattr(module, "_supports_gradient_checkpointing", False))
+
+
 def has_init_weights(module: nn.Module) -> bool:
     """The model has its own initialisation of submodules (`_init_weights`, what `init_weights` calls)."""
     return hasattr(module, "_init_weights")

@@ -34,6 +34,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.PreTrainedModel._tied_weights_keys"),
     ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
     ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
+    ("diffusers", "diffusers.models.modeling_utils.ModelMixin._supports_gradient_checkpointing"),
 ]
 
 

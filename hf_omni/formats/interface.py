@@ -61,6 +61,11 @@ class ModuleFormat:
         computed for real), in its loading dtypes: `hf_omni` then reads each rank's rows of the weights files."""
         raise NotImplementedError(f"{self.name} modules cannot be built on the meta device")
 
+    def empty_copy(self, module: nn.Module) -> nn.Module:
+        """A model of `module`'s own class and configuration, its parameters on the meta device (what a LoRA merge
+        by PEFT is built on)."""
+        raise NotImplementedError(f"{self.name} modules cannot be copied on the meta device")
+
     def write_config(self, module: nn.Module, folder: str, dtype=None) -> None:
         """The folder's non-weight files of `module` (`dtype`: the one its weights are exported in, or None)."""
         raise NotImplementedError
@@ -86,6 +91,12 @@ class ModuleFormat:
         the submodules inside it that belong to other modules), for each; none: refused, naming the module. The
         default: the module itself when it supports gradient checkpointing as transformers' models do."""
         return [(module, [])] if getattr(module, "supports_gradient_checkpointing", False) else []
+
+    def enable_checkpointing(self, model: nn.Module, kwargs: dict, every_n_layers: int, offload: bool) -> None:
+        """Turn on a `checkpointed_models` model's own checkpointing (transformers' `activation_checkpointing_enable`;
+        a ValueError: it cannot, said naming the module)."""
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers,
+                                              offload=offload)
 
     def no_checkpointing_reason(self, module: nn.Module) -> str:
         return f"{type(module).__name__} does not support activation checkpointing"

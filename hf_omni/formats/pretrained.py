@@ -5,6 +5,7 @@ with `model.safetensors.index.json`."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -82,6 +83,9 @@ class TransformersFormat(ModuleFormat):
         apply_dtype_plan(module, dtype or torch.get_default_dtype())
         load_generation_config(module, folder)
         return module
+
+    def empty_copy(self, module: nn.Module) -> nn.Module:
+        return meta_build(classes.original_class(module), copy.deepcopy(module.config), None, include_buffers=False)
 
     def write_config(self, module: nn.Module, folder: str, dtype=None) -> None:
         """config.json (with the exported dtype and the module's own class) and the generation config."""

@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..compat import adopt_loaded_adapter, own_tensors
-from ..modules.classes import original_class
-from ..modules.meta import meta_build
+from ..formats.interface import format_of
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,11 +54,12 @@ def merged_module(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
 
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    plain = meta_build(original_class(module), copy.deepcopy(module.config), None, include_buffers=False)
+    plain = format_of(module).empty_copy(module)
     # copies: the merge writes into the base weights, which must not be the live module's
     plain.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in base_state_dict(state).items()},
                           assign=True)
-    plain.tie_weights()  # each name was assigned its own copy: tied weights one again, so the merge reaches all
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()  # each name was assigned its own copy: tied weights one again, so the merge reaches all
     peft_model = get_peft_model(plain, copy.deepcopy(lora_config_of(module)))
     adapter = get_peft_model_state_dict(module, state_dict=state)
     result = set_peft_model_state_dict(peft_model, {PEFT_PREFIX + k: v for k, v in adapter.items()})

@@ -44,21 +44,20 @@ def processor_kind(processor: Any) -> str:
 
 
 def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
-                dtype: torch.dtype | None = None) -> None:
+                dtype: torch.dtype | None = None, max_shard_size: str | int = "50GB") -> None:
     """The main process: a LoRA module merged by PEFT itself (`lora.merged_module`, from its gathered `state`)
-    written to `folder` by transformers' `save_pretrained` — for the adapters `lora.merge` cannot merge row by
+    written to `folder` alone, as any module of its format is — for the adapters `lora.merge` cannot merge row by
     row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
     merged = merged_module(module, state)
     os.makedirs(folder, exist_ok=True)
-    fmt = format_of(merged)
-    fmt.save_view(merged).save_pretrained(folder, state_dict={k: v.detach().contiguous()
-                                                              for k, v in merged.state_dict().items()})
-    fmt.write_config(merged, folder, dtype)  # its own class, and the dtype as loaded (not the live parameters')
+    folder_write.remove_weight_files(folder)
     for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
-    if processor is not None:
-        processor.save_pretrained(folder)
+    plan = plan_folder(merged, {}, max_shard_size)
+    folder_write.write_module_folder(merged, folder, plan, processor, solo=True)
+    if dtype is not None:  # its own class, and the dtype as loaded (not the live parameters')
+        format_of(merged).write_config(merged, folder, dtype)
 
 
 def load_processor(folder: str, kind: str):
@@ -150,7 +149,7 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
     if merge_lora and lora and merge is None:
         state = slot.full_state()
         if is_main_process:
-            save_merged(slot.module, folder, state, slot.processor, slot.export_dtype)
+            save_merged(slot.module, folder, state, slot.processor, slot.export_dtype, max_shard_size)
         return
     plan = plan_folder(slot.module, slot.export_dtypes, max_shard_size, merged=merge is not None)
     write = functools.partial(folder_write.write_module_folder, slot.module, folder, plan, slot.processor,

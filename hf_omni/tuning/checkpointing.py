@@ -50,8 +50,7 @@ def apply_activation_checkpointing(module: nn.Module, margs) -> None:
         kept = [(m, {k: vars(m).get(k, _UNSET) for k in _FLAGS}) for c in carved for m in c.modules()
                 if hasattr(m, "gradient_checkpointing")]
         try:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
-                                                  every_n_layers=every_n_layers, offload=offload)
+            format_of(module).enable_checkpointing(model, kwargs, every_n_layers, offload)
         except ValueError as err:  # transformers: a model that has no checkpointed layer after all
             raise OmniArgumentError(margs.name, "activation_checkpointing", str(err)) from None
         for m, flags in kept:  # another module's layers: as they were
