@@ -12,6 +12,7 @@ from .errors import OmniArgumentError
 from .adopt import format as _adopted_format  # noqa: F401 (the shipped formats register on import: this one first)
 from .formats import pretrained as _transformers_format  # noqa: F401
 from .formats import diffusers_models as _diffusers_format  # noqa: F401
+from .diffusion.sampling import SampleImagesCallback
 from .formats.interface import ModuleFormat, register_module_format
 from .modeling import OmniModel
 from .modules.classes import register_module_class
@@ -25,6 +26,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModuleArguments", "ModuleFormat", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
-    "OmniTrainingArguments", "Projector", "ProjectorConfig", "offline_encoder", "register_module_class",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig", "SampleImagesCallback", "offline_encoder", "register_module_class",
     "register_module_format", "register_strategy",
 ]
