@@ -26,6 +26,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModuleArguments", "ModuleFormat", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
-    "OmniTrainingArguments", "Projector", "ProjectorConfig", "SampleImagesCallback", "offline_encoder", "register_module_class",
-    "register_module_format", "register_strategy",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig", "SampleImagesCallback", "offline_encoder",
+    "register_module_class", "register_module_format", "register_strategy",
 ]

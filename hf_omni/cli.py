@@ -20,8 +20,8 @@ from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
 from .config import OmniConfig, module_folder
 from .hub.ids import LAYOUTS
-from .modeling import OmniModel
 from .hub.push import push_saved
+from .modeling import OmniModel
 from .modules.folder import copy_module_folder
 from .offline.serve import ENCODE_ONLY
 from .progress import each

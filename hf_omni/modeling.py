@@ -30,7 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import ModuleEntry, OmniConfig, module_folder
-from .diffusion import lora_file, pipeline as pipeline_io
+from .diffusion import pipeline as pipeline_io
 from .dist import is_main
 from .formats.interface import FORMATS, adopter, format_of, original_class, record_class, resolve_class
 from .hub.download import download_composition, hub_origin, linked_folders
@@ -39,7 +39,12 @@ from .hub.push import push_saved
 from .model_hooks import ModelHooks
 from .modules.classes import model_input_embeddings, per_module
 from .modules.folder import (
-    PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
+    PROCESSOR_KINDS,
+    copy_module_folder,
+    export_module,
+    load_module,
+    load_processor,
+    processor_kind,
 )
 from .modules.slot import ModuleSlot
 from .offline.missing_modality import before_forward, keep_in_graph
@@ -174,7 +179,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
                     copy_module_folder(source, folder)
                 continue
             export_module(slot, folder, merge_lora, is_main_process, max_shard_size)
-        lora_file.write_lora_file(self, save_directory, is_main_process)  # a pipeline's LoRA: diffusers' file
+        pipeline_io.write_adapters(self, save_directory, is_main_process)  # a pipeline's LoRA: diffusers' file
         if is_main_process:
             self.write_config(save_directory)
             pipeline_io.write_index(self, save_directory)
@@ -186,8 +191,8 @@ class OmniModel(ModelHooks, PreTrainedModel):
                                        processor=processor_kind(slot.processor) if slot.processor is not None else None,
                                        trained=slot.trains if self.prepared is not None else slot.entry.trained)
                    for slot in self.slots.values()]
-        pipeline = {"pipeline": self.config.pipeline} if getattr(self.config, "pipeline", None) else {}
-        OmniConfig(modules=entries, omni_class=original_class(self).__name__, **pipeline).save_pretrained(directory)
+        OmniConfig(modules=entries, omni_class=original_class(self).__name__,
+                   **pipeline_io.config_record(self)).save_pretrained(directory)
         pipeline_io.write_parts(self, directory)
 
     @classmethod

@@ -22,6 +22,7 @@ import os
 import torch
 from torch import nn
 
+from .arguments.checks import check_before_compute
 from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
@@ -31,13 +32,11 @@ from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
-from .offline.encoder import check_offline_modules
 from .offline.serve import serve_from_caches
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .profile import ModuleProfile
-from .tuning.checkpointing import check_checkpointed_modules
 
 
 class OmniPlugin:
@@ -127,16 +126,7 @@ class OmniPlugin:
         for name, margs in self.args.resolve_modules(model.module_names).items():
             model.slots[name].args, model.slots[name].settings = margs, margs.strategy_settings()
         self.model = model
-        if has_process_group() and self.args.fsdp_scope == "module":
-            for name, margs in self.module_args.items():
-                if margs.trainable and margs.parallel == "none":
-                    raise OmniArgumentError(name, "parallel", "`none` under a process group trains one copy per rank: "
-                                            "the replicas would diverge and a checkpoint keeps one of them. Use "
-                                            "`ddp` or `fsdp`, or `trainable: false`")
-        if not any(m.trainable for m in self.module_args.values()):
-            raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
-        check_checkpointed_modules(model, self.module_args)
-        check_offline_modules(model, list(self.args.offline_modules or []))
+        check_before_compute(model, self.module_args, self.args)
         return self.module_args
 
     def offline_datasets(self, model: OmniModel, datasets: dict, collator, batch_size: int, device) -> dict:

@@ -12,8 +12,9 @@ import inspect
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import OmniArgumentError
 from ..lora.adapters import lora_config_of
-from .pipeline import is_pipeline, pipeline_class
+from .index import is_pipeline, pipeline_class
 
 LAYERS = "lora_layers"  # save_lora_weights' arguments: <component>_lora_layers
 
@@ -24,16 +25,17 @@ def lora_components(cls: type) -> list[str]:
             if n.endswith("_" + LAYERS)]
 
 
-def check_lora_components(model) -> None:
-    """Every module with LoRA is one the pipeline's LoRA file holds; else an error naming the module."""
+def check_lora_components(model, lora: dict) -> None:
+    """Before any compute (and again at a save): every module with LoRA (`lora`: module -> its LoRA settings or
+    config, or None) is one the pipeline's LoRA file holds; else an error naming the module and key."""
     if not is_pipeline(model):
         return
     cls = pipeline_class(model.config.pipeline)
     takes = lora_components(cls) if hasattr(cls, "save_lora_weights") else []
-    for name, slot in model.slots.items():
-        if lora_config_of(slot.module) is not None and name not in takes:
-            raise ValueError(f"module {name!r}: {cls.__name__} holds LoRA of {takes} only (its save_lora_weights): "
-                             "train it fully or freeze it")
+    for name, settings in lora.items():
+        if settings and name not in takes:
+            raise OmniArgumentError(name, "lora", f"{cls.__name__} holds LoRA of {takes} only (its "
+                                    "save_lora_weights, diffusers' LoRA file): train the module fully or freeze it")
 
 
 def adapter_state(slot) -> dict[str, torch.Tensor]:
@@ -52,7 +54,7 @@ def write_lora_file(model, directory: str, is_main_process: bool) -> None:
     """A pipeline with LoRA modules: diffusers' LoRA file in `directory` (nothing for any other model)."""
     if not is_pipeline(model):
         return
-    check_lora_components(model)
+    check_lora_components(model, {n: lora_config_of(s.module) for n, s in model.slots.items()})
     adapted = {n: s for n, s in model.slots.items() if lora_config_of(s.module) is not None}
     if not adapted:
         return

@@ -7,7 +7,6 @@ format, which `PipelineClass.from_pretrained(folder)` loads."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
@@ -17,44 +16,18 @@ from torch import nn
 from ..formats.diffusers_models import diffusers_module, from_diffusers
 from ..formats.interface import format_of
 from ..modules.empty_init import build_empty
+from .index import INDEX, SAVED_BY, component_class, is_component, is_pipeline, pipeline_class
+from .lora_file import write_lora_file
 
-INDEX = "model_index.json"
-SAVED_BY = ("_name_or_path", "_diffusers_version")
 NOTE = "PIPELINE.md"
 NOTE_TEXT = ("# A training checkpoint of a {cls}\n\nNot a pipeline folder. Write one (components merged, LoRA also in "
              "diffusers' `pytorch_lora_weights.safetensors`) with:\n\n    hf-omni export <this folder> <out>\n\nthen "
              "`{cls}.from_pretrained(<out>)`.\n")
 
 
-def is_pipeline(model) -> bool:
-    """Whether the composed model was adopted from a diffusers pipeline (its saves are pipeline folders)."""
-    return bool(getattr(model.config, "pipeline", None))
-
-
-def is_component(value) -> bool:
-    """A `model_index.json` entry that names a component (`[library, class]`, `[null, null]` for none)."""
-    return isinstance(value, (list, tuple)) and len(value) == 2
-
-
-def component_class(library: str, name: str, component: str) -> type:
-    """The class `model_index.json` records for a component (`library`: transformers, diffusers, or a diffusers
-    pipeline module such as `stable_diffusion`)."""
-    for path in (library, f"diffusers.pipelines.{library}"):
-        try:
-            found = getattr(importlib.import_module(path), name, None)
-        except ImportError:
-            continue
-        if isinstance(found, type):
-            return found
-    raise ValueError(f"pipeline component {component!r}: class {library}.{name} was not found")
-
-
-def pipeline_class(index: dict) -> type:
-    name = index["_class_name"]
-    found = getattr(diffusers_module(needed_by=f"pipeline {name}"), name, None)
-    if not isinstance(found, type):
-        raise ValueError(f"pipeline class {name!r} is not a diffusers pipeline class")
-    return found
+def config_record(model) -> dict:
+    """What the root config records of the pipeline (`{"pipeline": model_index.json's values}`), or {}."""
+    return {"pipeline": model.config.pipeline} if is_pipeline(model) else {}
 
 
 def from_pipeline(cls, pipeline, path=None, *, empty_init: bool = False, processors: bool = True, **kwargs):
@@ -158,6 +131,11 @@ def write_parts(model, directory: str) -> None:
         part.save_pretrained(os.path.join(directory, name))
     with open(os.path.join(directory, NOTE), "w") as f:
         f.write(NOTE_TEXT.format(cls=model.config.pipeline["_class_name"]))
+
+
+def write_adapters(model, directory: str, is_main_process: bool) -> None:
+    """Every rank, after the modules' folders: a pipeline's LoRA in diffusers' own file (`lora_file`)."""
+    write_lora_file(model, directory, is_main_process)
 
 
 def write_index(model, directory: str) -> None:
