@@ -74,9 +74,9 @@ def data(kind: str) -> Rows:
 
 def trainer(kind: str, out: str, modules: dict, batch: int, the_model=None, **overrides) -> OmniTrainer:
     """OmniTrainer as diffusers' scripts train: constant learning rate, no clipping, no weight decay."""
-    args = make_args(out, modules=modules, per_device_train_batch_size=batch, max_steps=STEPS,
-                     lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="steps", save_steps=2,
-                     **overrides)
+    settings = dict(modules=modules, per_device_train_batch_size=batch, max_steps=STEPS, lr_scheduler_type="constant",
+                    max_grad_norm=0.0, save_strategy="steps", save_steps=2)
+    args = make_args(out, **{**settings, **overrides})
     return OmniTrainer(model=the_model or model(kind), args=args, train_dataset=data(kind))
 
 

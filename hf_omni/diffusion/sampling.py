@@ -1,6 +1,6 @@
 """`SampleImagesCallback`: every N optimizer steps (and at the end of training) the model's live pipeline
 (`OmniModel.to_pipeline`) samples fixed prompts from a fixed seed, and the images go to the run's trackers
-(TensorBoard and W&B, as `report_to` names them) and to `<output_dir>/samples/step-<N>/<i>.png`.
+(TensorBoard: `tensorboard_dir`; W&B: its run; as `report_to` names them) and to `<output_dir>/samples/step-<N>/<i>.png`.
 
 Every rank samples (a sharded module's forward is collective); the main process logs and writes. Sampling runs in
 eval mode under `torch.random.fork_rng`, so training's random state (dropout, noise, a resumed run's stream) is the
@@ -15,6 +15,12 @@ import torch
 from transformers import TrainerCallback
 
 TAG = "samples"
+
+
+def tensorboard_dir(args) -> str:
+    """Where the images go: `TENSORBOARD_LOGGING_DIR` (where Trainer's TensorBoard callback writes, when set), else
+    `<output_dir>/runs/samples`, a run of its own beside Trainer's under the folder TensorBoard is pointed at."""
+    return os.path.expanduser(os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", TAG))
 
 
 class SampleImagesCallback(TrainerCallback):
@@ -62,7 +68,7 @@ class SampleImagesCallback(TrainerCallback):
         if "tensorboard" in trackers:
             from torch.utils.tensorboard import SummaryWriter
 
-            with SummaryWriter(args.logging_dir) as writer:
+            with SummaryWriter(tensorboard_dir(args)) as writer:
                 writer.add_images(TAG, uint8, state.global_step, dataformats="NHWC")
         if "wandb" in trackers:
             import wandb

@@ -1,0 +1,200 @@
+"""Diffusers models as modules and diffusers pipelines as composed models (tests/diffusion_runs.py over the tiny
+offline pipelines of tests/tiny_pipelines.py): OmniTrainer equals the hand-written loop shaped like diffusers'
+training scripts at 1 process and at 2 ranks (denoiser FSDP, text encoder DDP or frozen), resumes bitwise and at
+another world size, and writes pipeline folders that diffusers loads by the pipeline class alone (LoRA merged, and
+in diffusers' LoRA file for `load_lora_weights`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, FluxPipeline, StableDiffusionPipeline, UNet2DConditionModel
+from diffusion_runs import FLUX, FLUX_LRS, SD, SD_LRS, data, model, run, trainer
+from helpers import assert_state_close, full_state, step_losses
+from launching import launch, subprocess_env
+from tiny_pipelines import (
+    flux_loss, flux_modules, flux_pipeline, flux_rows, reference_train, sample, sd_loss, sd_modules, sd_pipeline,
+    sd_rows,
+)
+
+import hf_omni
+from hf_omni import OmniArgumentError, OmniModel, SampleImagesCallback
+from hf_omni.cli import export
+from hf_omni.formats.interface import format_of
+
+PIPELINES = {"sd": StableDiffusionPipeline, "flux": FluxPipeline}
+
+
+def reference(kind: str, steps: int = 4):
+    """diffusers' script loop on a fresh copy of the pipeline: (losses, the trained pipeline)."""
+    if kind == "sd":
+        pipe = sd_pipeline()
+        losses = reference_train(sd_modules(pipe), sd_loss, sd_rows(16), steps, 4, SD_LRS, list(SD_LRS))
+    else:
+        pipe = flux_pipeline()
+        losses = reference_train(flux_modules(pipe), flux_loss, flux_rows(16), steps, 4, FLUX_LRS, list(FLUX_LRS))
+    return losses, pipe.to("cpu")
+
+
+def pipeline_state(pipe) -> dict:
+    return {f"{n}.{k}": v for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)
+            for k, v in m.state_dict().items()}
+
+
+def test_a_diffusers_model_is_a_module(tmp_path):
+    """A UNet composed alone: its folder is diffusers' own (sharded with its index when large), loadable by its
+    class alone; the composition rebuilds it eagerly and on the meta device."""
+    unet = sd_pipeline().unet
+    composed = OmniModel.from_modules({"unet": unet})
+    assert format_of(unet).name == "diffusers" and composed.config.modules[0].cls == "diffusers.UNet2DConditionModel"
+    composed.save_pretrained(tmp_path / "one")
+    composed.save_pretrained(tmp_path / "sharded", max_shard_size=20_000)
+    assert sorted(os.listdir(tmp_path / "one" / "unet")) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    files = os.listdir(tmp_path / "sharded" / "unet")
+    assert "diffusion_pytorch_model.safetensors.index.json" in files and len(files) > 3
+    for folder in ("one", "sharded"):
+        alone = UNet2DConditionModel.from_pretrained(tmp_path / folder / "unet")
+        assert all(torch.equal(alone.state_dict()[k], v) for k, v in unet.state_dict().items())
+        assert json.loads((tmp_path / folder / "unet" / "config.json").read_text())["_class_name"] == \
+            "UNet2DConditionModel"
+    eager = OmniModel.from_pretrained(tmp_path / "sharded")
+    assert type(eager.unet) is UNet2DConditionModel and not eager.unet.training
+    assert all(torch.equal(eager.unet.state_dict()[k], v) for k, v in unet.state_dict().items())
+    empty = OmniModel.from_pretrained(tmp_path / "one", empty_init=True)
+    assert all(p.is_meta for p in empty.unet.parameters())
+    assert empty.unet.config["_name_or_path"] == str(tmp_path / "one" / "unet")
+
+
+def test_a_pipeline_is_adopted_and_saved_back_as_a_pipeline(tmp_path):
+    pipe = sd_pipeline()
+    expected = sample(pipe)
+    composed = model("sd")
+    assert composed.module_names == ["vae", "text_encoder", "unet"]
+    assert sorted(composed.pipeline_parts) == ["scheduler", "tokenizer"] and composed.scheduler is not None
+    assert list(composed.processors) == ["text_encoder"]
+    assert torch.equal(sample(composed.to_pipeline()), expected)
+    composed.save_pretrained(tmp_path / "out")
+    assert {"model_index.json", "scheduler", "tokenizer", "unet", "vae", "text_encoder"} <= set(
+        os.listdir(tmp_path / "out")) and "PIPELINE.md" not in os.listdir(tmp_path / "out")
+    assert torch.allclose(sample(StableDiffusionPipeline.from_pretrained(tmp_path / "out")), expected, atol=1e-5)
+    again = type(composed).from_pretrained(tmp_path / "out")
+    assert torch.allclose(sample(again.to_pipeline()), expected, atol=1e-5)
+    by_path = type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"))
+    assert torch.allclose(sample(by_path.to_pipeline()), expected, atol=1e-5)
+    empty = type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"), empty_init=True)
+    assert all(p.is_meta for m in empty.omni_modules().values() for p in m.parameters())
+    assert [e.source for e in empty.config.modules] == [str(tmp_path / "out" / n) for n in empty.module_names]
+    with pytest.raises(TypeError, match="takes a pipeline instance alone"):
+        OmniModel.from_pipeline(pipe, "somewhere")
+    with pytest.raises(ValueError, match="expected a diffusers pipeline"):
+        OmniModel.from_pipeline(pipe.unet)
+    with pytest.raises(ValueError, match="not adopted from a pipeline"):
+        OmniModel.from_modules({"unet": pipe.unet}).to_pipeline()
+
+
+def test_sd_trains_as_the_diffusers_loop_resumes_and_exports(tmp_path):
+    ref_losses, ref_pipe = reference("sd")
+    result = run("sd", str(tmp_path), SD, batch=4)
+    assert result["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    assert_state_close(result["state"], pipeline_state(ref_pipe), atol=1e-5)
+    assert result["resumed_losses"] == result["losses"][-2:]  # bitwise
+    assert all(torch.equal(result["resumed_state"][k], v) for k, v in result["state"].items())
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert "PIPELINE.md" in os.listdir(checkpoint) and "model_index.json" not in os.listdir(checkpoint)
+    exported = StableDiffusionPipeline.from_pretrained(tmp_path / "export")
+    assert torch.allclose(sample(exported), sample(ref_pipe), atol=1e-5)
+    export(str(tmp_path / "run" / "checkpoint-4"), str(tmp_path / "cli"))
+    assert torch.allclose(sample(StableDiffusionPipeline.from_pretrained(tmp_path / "cli")), sample(ref_pipe),
+                          atol=1e-5)
+
+
+def test_flux_trains_as_the_diffusers_loop_and_logs_samples(tmp_path):
+    """The transformer trained (both text encoders and the VAE frozen), sample images logged every 2 steps: the
+    losses are the loop's (sampling leaves training's random state alone), the last images the model's."""
+    ref_losses, ref_pipe = reference("flux")
+    callback = SampleImagesCallback(["a cat"], every_n_steps=2, height=16, width=16, max_sequence_length=16)
+    run_ = trainer("flux", str(tmp_path / "run"), FLUX, batch=4, report_to=["tensorboard"], save_strategy="no")
+    run_.add_callback(callback)
+    run_.train()
+    assert step_losses(run_) == pytest.approx(ref_losses, abs=1e-5)
+    assert_state_close(full_state(run_.model), pipeline_state(ref_pipe), atol=1e-5)
+    assert sorted(os.listdir(tmp_path / "run" / "samples")) == ["step-2", "step-4"]
+    from PIL import Image
+
+    logged = torch.tensor(list(Image.open(tmp_path / "run" / "samples" / "step-4" / "0.png").getdata()))
+    expected = (sample(ref_pipe).permute(0, 2, 3, 1).reshape(-1, 3) * 255).round()
+    assert (logged.float() - expected).abs().max() <= 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "runs" / "samples"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("samples")] == [2, 4]
+
+
+def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(tmp_path):
+    """At 2 ranks (batch 2 each): SD (UNet FSDP, text encoder DDP at its own learning rate) and Flux (transformer
+    FSDP) equal the loop; SD's 2-rank checkpoint resumes at 1 process; Flux with LoRA on the sharded transformer
+    and the replicated CLIP encoder exports a merged pipeline and diffusers' LoRA file that load alike."""
+    launch("mp_diffusion.py", str(tmp_path))
+    for kind in ("sd", "flux"):
+        ref_losses, ref_pipe = reference(kind)
+        result = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
+        assert result["losses"] == pytest.approx(ref_losses, abs=1e-5), kind
+        # Adam moves a weight by up to lr per step whatever its gradient's size: where a gradient is ~0, the other
+        # summation order of two ranks moves it differently (seen: one UNet element 1.2e-5 off, the rest < 3e-6)
+        assert_state_close(result["state"], pipeline_state(ref_pipe), atol=0.05 * 1e-3)
+        assert torch.allclose(sample(PIPELINES[kind].from_pretrained(tmp_path / kind / "export")), sample(ref_pipe),
+                              atol=1e-5)
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    assert sd["resumed_losses"] == sd["losses"][-2:]
+    assert all(torch.equal(sd["resumed_state"][k], v) for k, v in sd["state"].items())
+    elastic = trainer("sd", str(tmp_path / "elastic"), SD, batch=4)  # the 2-rank checkpoint at 1 process
+    elastic.train(resume_from_checkpoint=str(tmp_path / "sd" / "run" / "checkpoint-2"))
+    assert step_losses(elastic)[-2:] == pytest.approx(sd["losses"][-2:], abs=1e-5)
+    assert_state_close(full_state(elastic.model), sd["state"], atol=1e-5)
+
+    lora_export = tmp_path / "flux_lora" / "export"
+    merged = sample(FluxPipeline.from_pretrained(lora_export))
+    base = flux_pipeline()
+    before = sample(base)
+    base.load_lora_weights(lora_export)
+    assert torch.allclose(sample(base), merged, atol=1e-4)
+    assert (merged - before).abs().max() > 1e-3  # the adapters trained
+
+
+def test_lora_outside_the_pipelines_lora_file_is_refused_before_compute(tmp_path):
+    modules = {**SD, "vae": {"learning_rate": 1e-3, "lora": {"r": 2, "target_modules": ["conv1"]}}}
+    with pytest.raises(OmniArgumentError, match=r"modules.vae.lora: StableDiffusionPipeline holds LoRA of "
+                                                r"\['unet', 'text_encoder'\] only"):
+        trainer("sd", str(tmp_path), modules, batch=4).train()
+    assert not os.path.exists(tmp_path / "checkpoint-2")
+
+
+BLOCKED = """
+import sys
+sys.modules["diffusers"] = None  # as if not installed
+import torch, hf_omni
+from transformers import LlamaConfig, LlamaForCausalLM
+llm = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=16))
+composed = hf_omni.OmniModel.from_modules({"llm": llm})
+composed.save_pretrained(sys.argv[1] + "/llm")
+hf_omni.OmniModel.from_pretrained(sys.argv[1] + "/llm")
+try:
+    hf_omni.OmniModel.from_pretrained(sys.argv[1] + "/pipeline")
+except ImportError as err:
+    print("REFUSED:", err)
+"""
+
+
+def test_without_diffusers_everything_else_works_and_a_diffusers_module_names_the_extra(tmp_path):
+    model("sd").save_pretrained(tmp_path / "pipeline")
+    out = subprocess.run([sys.executable, "-c", BLOCKED, str(tmp_path)], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED: diffusers is not installed: pip install 'hf_omni[diffusion]'" in out.stdout
+    assert "diffusers.AutoencoderKL" in out.stdout
+    assert "SampleImagesCallback" in hf_omni.__all__ and AutoencoderKL is not None
