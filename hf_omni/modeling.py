@@ -39,12 +39,7 @@ from .hub.push import push_saved
 from .model_hooks import ModelHooks
 from .modules.classes import model_input_embeddings, per_module
 from .modules.folder import (
-    PROCESSOR_KINDS,
-    copy_module_folder,
-    export_module,
-    load_module,
-    load_processor,
-    processor_kind,
+    PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
 )
 from .modules.slot import ModuleSlot
 from .offline.missing_modality import before_forward, keep_in_graph

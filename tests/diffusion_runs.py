@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from helpers import full_state, make_args, step_losses
-from tiny_pipelines import flux_loss, flux_pipeline, flux_rows, sd_loss, sd_pipeline, sd_rows
+from tiny_pipelines import flux_loss, flux_pipeline, flux_rows, sample, sd_loss, sd_pipeline, sd_rows
 from transformers.utils import ModelOutput
 
 from hf_omni import OmniModel, OmniTrainer
@@ -85,7 +86,10 @@ def run(kind: str, out: str, modules: dict, batch: int, resume: bool = True) -> 
     Every rank calls it; states are full tensors on every rank."""
     first = trainer(kind, os.path.join(out, "run"), modules, batch)
     first.train()
-    result = {"losses": step_losses(first), "state": full_state(first.model)}
+    result = {"losses": step_losses(first), "state": full_state(first.model),
+              "sample": sample(first.model.to_pipeline()),  # every rank: the sharded modules sample together
+              "units": {n: sorted({type(m).__name__.removeprefix("FSDP") for m in module.modules()
+                                   if isinstance(m, FSDPModule)}) for n, module in first.model.omni_modules().items()}}
     first.save_model(os.path.join(out, "export"))
     if resume:
         again = trainer(kind, os.path.join(out, "resumed"), modules, batch)

@@ -68,6 +68,32 @@ def test_a_diffusers_model_is_a_module(tmp_path):
     assert empty.unet.config["_name_or_path"] == str(tmp_path / "one" / "unet")
 
 
+def test_empty_init_reads_a_bf16_folder_as_diffusers_loads_it(tmp_path):
+    """diffusers' `from_pretrained` builds in float32 and casts a bf16 file's tensors up (its dtype not asked):
+    `empty_init`, sharded, reads each rank's rows the same way; `activation_checkpointing` goes through diffusers'
+    own `enable_gradient_checkpointing` and changes no number."""
+    sd_pipeline().unet.to(torch.bfloat16).save_pretrained(tmp_path / "unet")
+    expected = UNet2DConditionModel.from_pretrained(tmp_path / "unet").state_dict()
+    composed = OmniModel.from_modules({"unet": UNet2DConditionModel.from_pretrained(tmp_path / "unet")})
+    composed.save_pretrained(tmp_path / "composed")
+    empty = OmniModel.from_pretrained(tmp_path / "composed", empty_init=True)
+    from accelerate import Accelerator
+
+    hf_omni.OmniPlugin(modules={"unet": {"parallel": "fsdp"}}, defaults={}).prepare_modules(Accelerator(cpu=True),
+                                                                                            empty)
+    state = full_state(empty)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert all(torch.equal(state["unet." + k], v) for k, v in expected.items())
+    plain, checkpointed = (trainer("sd", str(tmp_path / name), modules, batch=4, max_steps=2)
+                           for name, modules in (("plain", SD), ("checkpointed", {
+                               **SD, "unet": {**SD["unet"], "activation_checkpointing": True}})))
+    plain.train()
+    checkpointed.train()
+    assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.model.unet.modules())
+    assert step_losses(checkpointed) == step_losses(plain)
+    assert all(torch.equal(v, full_state(plain.model)[k]) for k, v in full_state(checkpointed.model).items())
+
+
 def test_a_pipeline_is_adopted_and_saved_back_as_a_pipeline(tmp_path):
     pipe = sd_pipeline()
     expected = sample(pipe)
@@ -104,8 +130,9 @@ def test_sd_trains_as_the_diffusers_loop_resumes_and_exports(tmp_path):
     assert all(torch.equal(result["resumed_state"][k], v) for k, v in result["state"].items())
     checkpoint = tmp_path / "run" / "checkpoint-2"
     assert "PIPELINE.md" in os.listdir(checkpoint) and "model_index.json" not in os.listdir(checkpoint)
-    exported = StableDiffusionPipeline.from_pretrained(tmp_path / "export")
-    assert torch.allclose(sample(exported), sample(ref_pipe), atol=1e-5)
+    exported = sample(StableDiffusionPipeline.from_pretrained(tmp_path / "export"))
+    assert torch.allclose(exported, result["sample"], atol=1e-5) and torch.allclose(exported, sample(ref_pipe),
+                                                                                     atol=1e-5)
     export(str(tmp_path / "run" / "checkpoint-4"), str(tmp_path / "cli"))
     assert torch.allclose(sample(StableDiffusionPipeline.from_pretrained(tmp_path / "cli")), sample(ref_pipe),
                           atol=1e-5)
@@ -146,9 +173,15 @@ def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(tmp_path
         # Adam moves a weight by up to lr per step whatever its gradient's size: where a gradient is ~0, the other
         # summation order of two ranks moves it differently (seen: one UNet element 1.2e-5 off, the rest < 3e-6)
         assert_state_close(result["state"], pipeline_state(ref_pipe), atol=0.05 * 1e-3)
-        assert torch.allclose(sample(PIPELINES[kind].from_pretrained(tmp_path / kind / "export")), sample(ref_pipe),
-                              atol=1e-5)
-    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+        exported = sample(PIPELINES[kind].from_pretrained(tmp_path / kind / "export"))
+        assert torch.allclose(exported, result["sample"], atol=1e-5) and torch.allclose(exported, sample(ref_pipe),
+                                                                                         atol=1e-5)
+    sd, flux = (torch.load(tmp_path / f"{kind}.pt", weights_only=False) for kind in ("sd", "flux"))
+    # FSDP units: the denoiser's blocks (its `_no_split_modules`) and itself; the replicated encoder none
+    assert sd["units"]["unet"] == ["BasicTransformerBlock", "CrossAttnUpBlock2D", "ResnetBlock2D",
+                                   "UNet2DConditionModel", "UpBlock2D"] and sd["units"]["text_encoder"] == []
+    assert flux["units"]["transformer"] == ["FluxSingleTransformerBlock", "FluxTransformer2DModel",
+                                            "FluxTransformerBlock"]
     assert sd["resumed_losses"] == sd["losses"][-2:]
     assert all(torch.equal(sd["resumed_state"][k], v) for k, v in sd["state"].items())
     elastic = trainer("sd", str(tmp_path / "elastic"), SD, batch=4)  # the 2-rank checkpoint at 1 process

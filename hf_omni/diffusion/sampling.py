@@ -1,6 +1,7 @@
-"""`SampleImagesCallback`: every N optimizer steps (and at the end of training) the model's live pipeline
-(`OmniModel.to_pipeline`) samples fixed prompts from a fixed seed, and the images go to the run's trackers
-(TensorBoard: `tensorboard_dir`; W&B: its run; as `report_to` names them) and to `<output_dir>/samples/step-<N>/<i>.png`.
+"""`SampleImagesCallback`: sample images logged while training. Every N optimizer steps (and at the end of
+training) the model's live pipeline (`OmniModel.to_pipeline`) samples fixed prompts from a fixed seed, and the images
+go to the run's trackers (TensorBoard: `tensorboard_dir`; W&B: its run; as `report_to` names them) and to
+`<output_dir>/samples/step-<N>/<i>.png`.
 
 Every rank samples (a sharded module's forward is collective); the main process logs and writes. Sampling runs in
 eval mode under `torch.random.fork_rng`, so training's random state (dropout, noise, a resumed run's stream) is the
