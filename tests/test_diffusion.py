@@ -113,6 +113,11 @@ def test_a_pipeline_is_adopted_and_saved_back_as_a_pipeline(tmp_path):
     empty = type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"), empty_init=True)
     assert all(p.is_meta for m in empty.omni_modules().values() for p in m.parameters())
     assert [e.source for e in empty.config.modules] == [str(tmp_path / "out" / n) for n in empty.module_names]
+    without = type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"), empty_init=True,
+                                           text_encoder=None)  # left out, as `safety_checker=None` is
+    assert without.module_names == ["unet", "vae"] and without.config.pipeline["text_encoder"] == [None, None]
+    with pytest.raises(TypeError, match=r"takes no \['dtype'\]"):
+        type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"), empty_init=True, dtype="x")
     with pytest.raises(TypeError, match="takes a pipeline instance alone"):
         OmniModel.from_pipeline(pipe, "somewhere")
     with pytest.raises(ValueError, match="expected a diffusers pipeline"):

@@ -68,9 +68,12 @@ def _adopt(cls, pipeline, folder: str | None):
 def _adopt_empty(cls, folder: str, kwargs: dict):
     with open(os.path.join(folder, INDEX)) as f:
         index = {k: v for k, v in json.load(f).items() if k not in SAVED_BY}
+    for name in [k for k, v in kwargs.items() if v is None and is_component(index.get(k))]:
+        index[name] = [None, None]  # `safety_checker=None`: left out, as the pipeline's own loading leaves it
+        del kwargs[name]
     if set(kwargs) - {"revision", "token", "cache_dir"}:
         raise TypeError(f"from_pipeline(..., empty_init=True) takes no {sorted(kwargs)}: each module's dtype and "
-                        "placement are its `modules:` settings")
+                        "placement are its `modules:` settings (a component is left out with `<name>=None`)")
     modules, parts = {}, {}
     for name, value in index.items():
         if not is_component(value) or value[0] is None:
