@@ -51,8 +51,8 @@ def test_loss_is_deterministic(kind):
     again = loss_fn(**modules(make()), batch=batch)
     assert first.dim() == 0 and torch.isfinite(first)
     assert torch.equal(first, again)
-    with torch.no_grad():
-        assert torch.equal(loss_fn(**modules(make()), batch=batch), first)
+    with torch.no_grad():  # CPU attention may take another kernel without autograd: the same within rounding
+        assert torch.allclose(loss_fn(**modules(make()), batch=batch), first, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 from torch import nn
 
@@ -25,14 +28,17 @@ def registered_auto_classes() -> list[type]:
 
 
 def no_split_modules(module: nn.Module) -> set[str]:
-    """The layer classes transformers keeps whole (`_no_split_modules` of every model inside `module`), those present
-    in it: FSDP's default wrap units."""
+    """The layer classes transformers and diffusers keep whole (`_no_split_modules` of every transformers or diffusers
+    model inside `module`), those present in it: FSDP's default wrap units."""
     from transformers import PreTrainedModel
 
+    models = (PreTrainedModel,)
+    if "diffusers" in sys.modules:  # a diffusers model exists only once diffusers is imported: never import it here
+        models += (importlib.import_module("diffusers.models.modeling_utils").ModelMixin,)
     present = {type(m).__name__ for m in module.modules()}
     names = set()
     for sub in module.modules():
-        if isinstance(sub, PreTrainedModel):
+        if isinstance(sub, models):
             names.update(getattr(sub, "_no_split_modules", None) or [])
     return names & present
 

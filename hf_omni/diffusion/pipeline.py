@@ -170,4 +170,8 @@ def to_pipeline(model):
     values.update(model.pipeline_parts)
     values.update(model.omni_modules())
     accepted = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in values.items() if k in accepted})
+    pipeline = cls(**{k: v for k, v in values.items() if k in accepted})
+    # its record names each component's own class, not an in-place wrapper's (`DDPCLIPTextModel`); save through
+    # the model (`save_pretrained`), which writes sharded modules whole: the live pipeline's own save cannot
+    pipeline.register_to_config(**{k: tuple(v) for k, v in index.items() if is_component(v) and k in pipeline.config})
+    return pipeline
