@@ -63,6 +63,16 @@ def test_a_diffusers_model_is_a_module(tmp_path):
     eager = OmniModel.from_pretrained(tmp_path / "sharded")
     assert type(eager.unet) is UNet2DConditionModel and not eager.unet.training
     assert all(torch.equal(eager.unet.state_dict()[k], v) for k, v in unet.state_dict().items())
+    fmt = format_of(unet)
+    assert "model = UNet2DConditionModel.from_pretrained(\"org/x\", subfolder=\"unet\")" in fmt.card_usage(
+        "diffusers.UNet2DConditionModel", "org/x", "unet")
+    assert fmt.rebuild_difference(UNet2DConditionModel, str(tmp_path / "one" / "unet"),
+                                  str(tmp_path / "sharded" / "unet")) is None
+    other = tmp_path / "other"
+    changed = {k: v for k, v in unet.config.items() if not k.startswith("_")}  # `_use_default_values` would win
+    UNet2DConditionModel.from_config({**changed, "norm_eps": 1e-6}).save_pretrained(other)
+    assert fmt.rebuild_difference(UNet2DConditionModel, str(tmp_path / "one" / "unet"), str(other)) == \
+        "config: norm_eps"
     empty = OmniModel.from_pretrained(tmp_path / "one", empty_init=True)
     assert all(p.is_meta for p in empty.unet.parameters())
     assert empty.unet.config["_name_or_path"] == str(tmp_path / "one" / "unet")
@@ -194,6 +204,10 @@ def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(tmp_path
     assert step_losses(elastic)[-2:] == pytest.approx(sd["losses"][-2:], abs=1e-5)
     assert_state_close(full_state(elastic.model), sd["state"], atol=1e-5)
 
+    lora = torch.load(tmp_path / "flux_lora.pt", weights_only=False)
+    assert lora["resumed_losses"] == lora["losses"][-2:]  # the adapters and their optimizer state come back
+    assert all(torch.equal(lora["resumed_state"][k], v) for k, v in lora["state"].items())
+    assert any(".lora_A." in k for k in lora["state"])
     lora_export = tmp_path / "flux_lora" / "export"
     merged = sample(FluxPipeline.from_pretrained(lora_export))
     base = flux_pipeline()

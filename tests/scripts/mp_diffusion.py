@@ -1,7 +1,7 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` (gloo, use_cpu): the tiny diffusion pipelines
 (tests/diffusion_runs.py) trained at 2 ranks (batch 2 each): SD with its UNet sharded and its text encoder
 replicated (trained, checkpointed, resumed, exported), Flux with its transformer sharded (trained, exported), and
-Flux with LoRA on the sharded transformer and the replicated CLIP encoder (exported: merged components and
+Flux with LoRA on the sharded transformer and the replicated CLIP encoder (resumed; exported: merged components and
 diffusers' LoRA file, the adapters gathered from both ranks).
 
 Usage: mp_diffusion.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt; tests/test_diffusion.py compares them with
@@ -17,7 +17,7 @@ from diffusion_runs import FLUX, FLUX_LORA, SD, run
 
 from launching import end_distributed
 
-SCENARIOS = {"sd": ("sd", SD, True), "flux": ("flux", FLUX, False), "flux_lora": ("flux", FLUX_LORA, False)}
+SCENARIOS = {"sd": ("sd", SD, True), "flux": ("flux", FLUX, False), "flux_lora": ("flux", FLUX_LORA, True)}
 
 
 def main(out_dir: str):
