@@ -38,3 +38,10 @@ def pipeline_class(index: dict) -> type:
     if not isinstance(found, type):
         raise ValueError(f"pipeline class {name!r} is not a diffusers pipeline class")
     return found
+
+
+def part_names(config) -> list[str]:
+    """The parts' folder names of a saved pipeline (what an export copies beside the modules)."""
+    index = getattr(config, "pipeline", None) or {}
+    names = set(config.module_names)
+    return [n for n, v in index.items() if is_component(v) and v[0] is not None and n not in names]

@@ -152,13 +152,6 @@ def write_index(model, directory: str) -> None:
         os.remove(os.path.join(directory, NOTE))
 
 
-def part_names(config) -> list[str]:
-    """The parts' folder names of a saved pipeline (what an export copies beside the modules)."""
-    index = getattr(config, "pipeline", None) or {}
-    names = set(config.module_names)
-    return [n for n, v in index.items() if is_component(v) and v[0] is not None and n not in names]
-
-
 def to_pipeline(model):
     """A live pipeline over the model's modules (as they are: wrapped, sharded, training) and parts."""
     index = getattr(model.config, "pipeline", None)

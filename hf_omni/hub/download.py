@@ -12,6 +12,7 @@ import os
 
 from ..compat import config_commit_hash
 from ..config import ADOPTED_FILE, OmniConfig
+from ..diffusion.index import INDEX, part_names
 from ..formats.interface import config_files, format_of, is_module_folder
 from ..modules.folder import module_patterns
 from .ids import cache_snapshot, is_hub_id
@@ -58,7 +59,7 @@ def adopted_folder(root: str, revision: str | None = None, token=None, cache_dir
 def download_composition(repo_id: str, revision: str | None = None, token=None,
                          cache_dir=None) -> tuple[str, OmniConfig, dict[str, str]]:
     """The composition `repo_id` at `revision`: (local root, its config, {module: local folder})."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
     config_path = hf_hub_download(repo_id, "config.json", revision=revision, token=token, cache_dir=cache_dir)
     root = os.path.dirname(config_path)
@@ -73,6 +74,10 @@ def download_composition(repo_id: str, revision: str | None = None, token=None,
         else:
             folders[entry.name] = download_module(repo_id, commit, entry.name, token, cache_dir,
                                                   subfolder=entry.subfolder)
+    parts = part_names(config)  # a pipeline's scheduler, tokenizers, ...: beside the modules, at the same commit
+    if parts:
+        snapshot_download(repo_id, revision=commit, token=token, cache_dir=cache_dir,
+                          allow_patterns=[f"{n}/*" for n in parts] + [INDEX])
     return root, config, folders
 
 

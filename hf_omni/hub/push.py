@@ -28,6 +28,7 @@ from .checkpoint_push import folder_operations
 from .commit import commit
 from .ids import LAYOUTS
 from .link import rebuilds_from_origin
+from .pipeline_push import pipeline_export, push_pipeline
 from .released_push import push_released, released_files
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: d
     from huggingface_hub import HfApi
     from huggingface_hub.utils import tqdm
 
+    if pipeline_export(root):  # a diffusers pipeline: one repo in diffusers' layout
+        return push_pipeline(root, repo_id, layout=layout, token=token, private=private, revision=revision,
+                             commit_message=commit_message, extra_folders=extra_folders, cards=cards)
     released = released_files(root)
     if released is not None:
         return push_released(released, repo_id, layout=layout, token=token, private=private, revision=revision,

@@ -20,6 +20,8 @@ import logging
 import os
 
 from ..dist import RankFailure, share_failure
+from ..errors import OmniArgumentError
+from ..hub.pipeline_push import check_pipeline_layout
 from ..hub.push import plan_modules, push_saved
 from ..hub.released_push import check_released_layout
 
@@ -36,6 +38,14 @@ def check_hub_links(args, model) -> None:
     """Before any compute: every `push_to_hub: false` module has a repo to link to."""
     if args.push_to_hub and getattr(model.config, "adopted", None):  # one repo, the released format
         check_released_layout(args.hub_layout)
+    elif args.push_to_hub and getattr(model.config, "pipeline", None):  # one repo, diffusers' layout
+        check_pipeline_layout(args.hub_layout)
+        strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
+        if strategy != "end":
+            raise OmniArgumentError(None, "hub_strategy", f"{strategy!r}: a diffusers pipeline is pushed as its "
+                                    "pipeline folder (save_model / push_to_hub()); its checkpoints hold LoRA adapters "
+                                    "apart and frozen components elsewhere, which diffusers would load wrong: set "
+                                    "hub_strategy: end")
     elif args.push_to_hub:
         plan_modules(None, model.config, args.hub_model_id or "unnamed", args.hub_layout or "per_module",
                      hub_modules(args))
