@@ -128,6 +128,13 @@ def test_a_pipeline_is_adopted_and_saved_back_as_a_pipeline(tmp_path):
     assert without.module_names == ["unet", "vae"] and without.config.pipeline["text_encoder"] == [None, None]
     with pytest.raises(TypeError, match=r"takes no \['dtype'\]"):
         type(composed).from_pipeline(StableDiffusionPipeline, str(tmp_path / "out"), empty_init=True, dtype="x")
+    crafted = json.loads((tmp_path / "out" / "config.json").read_text())  # a downloaded config naming other code
+    for library in ("os", "../x"):
+        crafted["pipeline"]["scheduler"] = [library, "system"]
+        (tmp_path / "out" / "config.json").write_text(json.dumps(crafted))
+        with pytest.raises(ValueError, match=r"pipeline component 'scheduler': (class os.system was not found|"
+                                             r"library '../x' is not transformers)"):
+            type(composed).from_pretrained(tmp_path / "out")
     with pytest.raises(TypeError, match="takes a pipeline instance alone"):
         OmniModel.from_pipeline(pipe, "somewhere")
     with pytest.raises(ValueError, match="expected a diffusers pipeline"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 from ..formats.diffusers_models import diffusers_module
 
@@ -22,7 +23,11 @@ def is_component(value) -> bool:
 def component_class(library: str, name: str, component: str) -> type:
     """The class `model_index.json` records for a component (`library`: transformers, diffusers, or a diffusers
     pipeline module such as `stable_diffusion`)."""
-    for path in (library, f"diffusers.pipelines.{library}"):
+    if not re.fullmatch(r"[a-z0-9_]+", str(library)):
+        raise ValueError(f"pipeline component {component!r}: library {library!r} is not transformers, diffusers or a "
+                         "diffusers pipeline module (no code is imported from elsewhere)")
+    paths = (library,) if library in ("transformers", "diffusers") else (f"diffusers.pipelines.{library}",)
+    for path in paths:
         try:
             found = getattr(importlib.import_module(path), name, None)
         except ImportError:

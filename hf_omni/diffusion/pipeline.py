@@ -30,7 +30,7 @@ def config_record(model) -> dict:
     return {"pipeline": model.config.pipeline} if is_pipeline(model) else {}
 
 
-def from_pipeline(cls, pipeline, path=None, *, empty_init: bool = False, processors: bool = True, **kwargs):
+def from_pipeline(cls, pipeline, path=None, *, empty_init: bool = False, **kwargs):
     """`cls.from_pipeline(pipeline)` or `cls.from_pipeline(PipelineClass, folder_or_repo, empty_init=False,
     **from_pretrained_kwargs)`. `empty_init=True`: every module built on the meta device from its component folder
     and pending on it (`OmniPlugin.prepare` reads each rank's rows); the small parts are loaded whole."""
@@ -159,6 +159,10 @@ def to_pipeline(model):
         raise ValueError(f"{type(model).__name__} was not adopted from a pipeline (from_pipeline): no pipeline to "
                          "build")
     cls = pipeline_class(index)
+    offline = [name for name, slot in model.slots.items() if slot.is_released]
+    if offline:
+        raise ValueError(f"to_pipeline: modules {offline} are offline (cached, on the meta device): a pipeline runs "
+                         "every component; sample with a model whose encoders are not offline")
     values = {k: (None if is_component(v) else v) for k, v in index.items() if not k.startswith("_")}
     values.update(model.pipeline_parts)
     values.update(model.omni_modules())

@@ -44,6 +44,12 @@ class SampleImagesCallback(TrainerCallback):
             model.train(was_training)
         return np.asarray(out.images)
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        offline = list(getattr(args, "offline_modules", None) or [])
+        if offline:  # refused before the first step, not at step N
+            raise ValueError(f"SampleImagesCallback: offline_modules {offline} are never materialised while training, "
+                             "and a pipeline runs every component")
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every_n_steps == 0:
             self.log_samples(args, state, model)
