@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, StableDiffusionPipeline, UNet2DConditionModel
-from diffusion_runs import FLUX, FLUX_LRS, SD, SD_LRS, data, model, run, trainer
+from diffusion_runs import FLUX, FLUX_LRS, SD, SD_LRS, model, run, trainer
 from helpers import assert_state_close, full_state, step_losses
 from launching import launch, subprocess_env
 from tiny_pipelines import (

@@ -27,7 +27,7 @@ def hub(tmp_path_factory):
         # diffusers' download asks huggingface_hub's module-level `model_info`, an HfApi made at import with the
         # endpoint of that time: the same call on an HfApi made now
         for module in (diffusers.pipelines.pipeline_utils, diffusers.loaders.lora_base):
-            mp.setattr(module, "model_info", lambda *args, **kwargs: huggingface_hub.HfApi().model_info(*args, **kwargs))
+            mp.setattr(module, "model_info", lambda *a, **k: huggingface_hub.HfApi().model_info(*a, **k))
         yield server
 
 
