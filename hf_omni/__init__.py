@@ -16,6 +16,7 @@ from .diffusion.sampling import SampleImagesCallback
 from .formats.interface import ModuleFormat, register_module_format
 from .modeling import OmniModel
 from .modules.classes import register_module_class
+from .modules.ema import ema_weights
 from .offline.encoder import offline_encoder
 from .parallel.registry import register_strategy
 from .plugin import OmniPlugin
@@ -26,6 +27,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModuleArguments", "ModuleFormat", "OmniArgumentError", "OmniConfig", "OmniModel", "OmniPlugin", "OmniTrainer",
-    "OmniTrainingArguments", "Projector", "ProjectorConfig", "SampleImagesCallback", "offline_encoder",
+    "OmniTrainingArguments", "Projector", "ProjectorConfig", "SampleImagesCallback", "ema_weights", "offline_encoder",
     "register_module_class", "register_module_format", "register_strategy",
 ]

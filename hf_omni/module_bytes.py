@@ -16,6 +16,8 @@ memory and costs nothing at any step. What it assumes:
 - master: the bytes of the trainable parameters kept in a master dtype (fp32) above the dtype the module computes
   in (`slot.precision`). hf_omni keeps masters in place, as the parameters themselves (autocast and FSDP2 make the
   compute copies on the fly), so `master` is the part of `parameters` that is masters, not added to `total`.
+- ema: the module's EMA shadows (`ema`): one more copy of each trained parameter as this rank holds it (its shard,
+  in its dtype), added to `total`.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def master_bytes(slot, trainable: list[torch.Tensor]) -> int:
 
 def module_bytes(slots: dict, optimizer=None) -> dict[str, dict]:
     """Module -> {"kind", "mesh", "parameters", "gradients", "optimizer", "optimizer_basis" ("held" | "predicted" |
-    "unknown" | "-"), "master", "total"} in bytes on this rank; `optimizer`: the plugin's `ModuleOptimizers` (or
+    "unknown" | "-"), "master", "ema", "total"} in bytes on this rank; `optimizer`: the plugin's `ModuleOptimizers` (or
     None before they are built: then every optimizer is "-" and 0)."""
     optimizers = getattr(optimizer, "optimizers", {}) if optimizer is not None else {}
     out = {}
@@ -89,8 +91,9 @@ def module_bytes(slots: dict, optimizer=None) -> dict[str, dict]:
             optim, basis = (predicted, "predicted") if predicted is not None else (0, "unknown")
         row = {"kind": slot.kind, "mesh": "-" if offline else mesh_shape(module),
                "parameters": sum(nbytes(p) for p in params), "gradients": grads, "optimizer": optim,
-               "optimizer_basis": basis, "master": master_bytes(slot, trainable)}
-        row["total"] = row["parameters"] + row["gradients"] + row["optimizer"]
+               "optimizer_basis": basis, "master": master_bytes(slot, trainable),
+               "ema": slot.ema.nbytes() if getattr(slot, "ema", None) is not None else 0}
+        row["total"] = row["parameters"] + row["gradients"] + row["optimizer"] + row["ema"]
         out[name] = row
     return out
 
@@ -98,15 +101,16 @@ def module_bytes(slots: dict, optimizer=None) -> dict[str, dict]:
 def format_bytes_table(rows: dict[str, dict]) -> str:
     """`module_bytes`' rows as a fixed-width table in MiB, one row per module, with a total line."""
     header = (f"{'module':<14} {'kind':<8} {'mesh':<6} {'parameters':>11} {'gradients':>10} {'optimizer':>10} "
-              f"{'':<9} {'master':>8} {'total':>9}")
+              f"{'':<9} {'master':>8} {'ema':>8} {'total':>9}")
     lines = [header]
     for name, r in rows.items():
         lines.append(f"{name:<14} {r['kind']:<8} {r['mesh']:<6} {r['parameters'] / MIB:>11.2f} "
                      f"{r['gradients'] / MIB:>10.2f} {r['optimizer'] / MIB:>10.2f} {r['optimizer_basis']:<9} "
-                     f"{r['master'] / MIB:>8.2f} {r['total'] / MIB:>9.2f}")
+                     f"{r['master'] / MIB:>8.2f} {r['ema'] / MIB:>8.2f} {r['total'] / MIB:>9.2f}")
     total = sum(r["total"] for r in rows.values())
-    lines.append(f"{'(all)':<14} {'':<8} {'':<6} {'':>11} {'':>10} {'':>10} {'':<9} {'':>8} {total / MIB:>9.2f}")
-    lines.append("MiB on this rank; master: the fp32 masters among the parameters (in `parameters`, not added again)")
+    lines.append(f"{'(all)':<14} {'':<8} {'':<6} {'':>11} {'':>10} {'':>10} {'':<9} {'':>8} {'':>8} {total / MIB:>9.2f}")
+    lines.append("MiB on this rank; master: the fp32 masters among the parameters (in `parameters`, not added again); "
+                 "ema: EMA shadows (added)")
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.serve import serve_from_caches
+from .optim.ema import attach_emas
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
@@ -176,6 +177,7 @@ class OmniPlugin:
         self.profile.close()  # a second run: fresh hooks, counting the new optimizers' steps
         self.profile = ModuleProfile(self.model.slots, self.prepared.device)
         self.optimizer.before_step, self.optimizer.after_step = self.checkpointer.fence, [self.profile.stepped]
+        attach_emas(self.model, self.optimizer)  # `ema`: shadows now, updated after each step that stepped
 
     def module_bytes(self) -> dict[str, dict]:  # parameters, gradients, optimizer state, masters (module_bytes.py)
         return module_bytes(self._slots(), self.optimizer)

@@ -26,6 +26,7 @@ from ..hub.download import download_module
 from ..hub.ids import is_hub_id
 from ..modeling import OmniModel
 from ..modules.classes import class_record, original_class, resolve_module_class
+from ..modules.ema import ema_weights
 from ..modules.empty_init import build_empty
 from ..offline.missing_modality import runs_collectives
 from .export import export_module_folders, export_original, module_folder_root
@@ -135,7 +136,7 @@ class AdoptedModel(OmniModel):
                         **kwargs) -> None:
         """The released class's own format, written as `OmniModel` writes its modules (every rank its own rows of a
         sharded module's tensors), and `hf_omni.json`. LoRA is always merged (`merge_lora` is ignored): the released
-        format holds no adapters. `module_folders`: modules that are one `PreTrainedModel` (LLaVA's
+        format holds no adapters; `export_ema` modules write their EMA weights. `module_folders`: modules that are one `PreTrainedModel` (LLaVA's
         `model.vision_tower`) also written as `<save_directory>/<module>/`, each loadable alone."""
 
         if kwargs.get("state_dict") is not None:
@@ -144,9 +145,10 @@ class AdoptedModel(OmniModel):
         for name in module_folders or []:
             module_folder_root(self, name)  # refused before anything is written
         save_directory, is_main_process = str(save_directory), is_main_process and is_main()
-        export_original(self, save_directory, is_main_process, max_shard_size)
-        if module_folders:
-            export_module_folders(self, save_directory, list(module_folders), is_main_process, max_shard_size)
+        with ema_weights(self):  # `export_ema` modules: their EMA weights (a checkpoint's released copy too)
+            export_original(self, save_directory, is_main_process, max_shard_size)
+            if module_folders:
+                export_module_folders(self, save_directory, list(module_folders), is_main_process, max_shard_size)
         if is_main_process:
             self.omni_config().to_json_file(os.path.join(save_directory, ADOPTED_FILE))
 

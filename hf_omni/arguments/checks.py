@@ -18,6 +18,9 @@ def check_before_compute(model, module_args: dict, args) -> None:
                 raise OmniArgumentError(name, "parallel", "`none` under a process group trains one copy per rank: "
                                         "the replicas would diverge and a checkpoint keeps one of them. Use `ddp` or "
                                         "`fsdp`, or `trainable: false`")
+    for name, margs in module_args.items():
+        if margs.trainable and margs.export_ema and margs.ema is None:
+            raise OmniArgumentError(name, "export_ema", "exports the EMA weights: set `ema` too")
     if not any(m.trainable for m in module_args.values()):
         raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
     check_checkpointed_modules(model, module_args)

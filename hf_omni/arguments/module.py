@@ -15,6 +15,7 @@ from typing import Any
 from ..config import repo_id_error
 from ..errors import OmniArgumentError
 from ..keys import NUMBER, check_field, declared, default_of, key
+from ..modules.ema import check_ema
 from ..modules.precision import MASTER_DTYPES
 from ..parallel.mesh import check_parallelism
 from ..parallel.strategy import STRATEGIES, Strategy, check_settings, settings_tables, strategy_names
@@ -90,6 +91,12 @@ class ModuleArguments:
     master_dtype: str = key("auto", (str,), "trainable parameters and their optimizer state: `auto` (fp32 when the "
                             "run computes in bf16 / fp16, else as loaded), `float32`, `bfloat16` (pure bf16)",
                             choices=MASTER_DTYPES)
+    ema: dict | None = key(None, (dict,), "EMA weights of its trained parameters, diffusers' EMAModel fields: {decay: "
+                           "0.9999, min_decay: 0.0, update_after_step: 0, use_ema_warmup: false, inv_gamma: 1.0, "
+                           "power: 2/3} (each optional; null: no EMA); sharded like the module, in `state/`",
+                           nullable=True, check=check_ema)
+    export_ema: bool = key(False, (bool,), "exports (`save_pretrained`, `save_model`, `hf-omni export`) and "
+                           "`to_pipeline()` sampling use the EMA weights (needs `ema`)")
     activation_checkpointing: bool = key(False, (bool,), "recompute activations in backward",
                                          top_level="module_activation_checkpointing")
     activation_checkpointing_kwargs: dict = key({}, (dict,), "`activation_checkpointing_enable` arguments (default "

@@ -26,7 +26,7 @@ from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_ke
 
 FSDP_SCOPES = ("module", "model")
 GRAD_CLIP_SCOPES = ("per_module", "global")
-JSON_KEYS = ("modules", "lora", "fsdp_plugin", "parallelism")
+JSON_KEYS = ("modules", "lora", "fsdp_plugin", "parallelism", "ema")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class OmniTrainingArguments(TrainingArguments):
         "help": field_help("parallelism") + " (JSON on the CLI)"})
     master_dtype: str = field(default=default_of(MODULE_FIELDS["master_dtype"]),
                               metadata={"help": field_help("master_dtype")})
+    ema: dict | str | None = field(default=None, metadata={"help": field_help("ema") + " (JSON on the CLI)"})
+    export_ema: bool = field(default=False, metadata={"help": field_help("export_ema")})
     fsdp_scope: str = field(
         default="module", metadata={"help": "module: each module wraps itself | model: one wrap of the whole model."})
     grad_clip_scope: str = field(

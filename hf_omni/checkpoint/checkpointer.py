@@ -101,6 +101,8 @@ class ModuleCheckpointer:
                 if is_main():
                     module_state.save_json(rest, folder, module_state.OPTIMIZER)
                     module_state.save_scheduler(scheduler_states[name], folder)
+                    if slot.ema is not None:  # its shadows go with the optimizer shards
+                        module_state.save_json(slot.ema.state_json(), folder, module_state.EMA_JSON)
             self.states[name].save_tensors(folder, tensors, pipeline=pipeline, group=self.async_group)
         released = self.model.released_folder
         if released is not None:  # an adopted model: its released format too (every rank its rows)

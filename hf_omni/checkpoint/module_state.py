@@ -6,6 +6,8 @@
     optimizer.json                        param groups, non-tensor per-parameter values and one-element tensors
                                           (AdamW's step) as numbers (rank 0; `state_json`)
     scheduler.json                        the scheduler's `state_dict()` (rank 0)
+    ema.json                              `ema`: the EMA's step counter and settings (rank 0); its shadows are
+                                          `ema.<param>` tensors of the shards (`modules.ema`)
 
 Why: DCP's default layout keeps its metadata in a pickle (`.metadata`), so resuming a downloaded checkpoint could
 run code. Here what a load reads is safetensors headers and JSON: DCP's `HuggingFaceStorageReader` rebuilds the
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 import torch
 
 from ..dist import checkpoint_group
 from ..lora.base import has_fixed_base
+from ..modules.ema import EMA_JSON
 from ..modules.folder_plan import plan_folder
 from ..modules.tensor_layout import file_layout, module_tensors
 from ..shards.replicas import load_once
@@ -32,6 +36,7 @@ from .state_json import json_value, like
 STATE = "state"
 OPTIMIZER = "optimizer.json"
 SCHEDULER = "scheduler.json"
+logger = logging.getLogger("hf_omni")
 
 
 def make_stager():
@@ -65,17 +70,17 @@ def save_json(value, folder: str, name: str) -> None:
 
 
 def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, pipeline=None,
-                       group=None) -> None:
+                       group=None, ema: dict | None = None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
     Async (`pipeline`, `pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
     optimizer step, into buffers it reuses from one save to the next; the write follows in the same thread, in the
     same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
-    backend)."""
+    backend). `ema`: the EMA shadows, beside them."""
     import torch.distributed.checkpoint as dcp
 
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
-    state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors}
+    state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors, **({"ema": ema} if ema else {})}
     if pipeline is None:
         dcp.save(state, storage_writer=_writer(state_dir))
         return
@@ -118,6 +123,35 @@ def read_state_json(folder: str) -> tuple[dict, dict]:
             raise ValueError(f"{path} is not an hf_omni {name}")
         out.append(value)
     return out[0], out[1]
+
+
+def read_ema_json(folder: str) -> dict | None:
+    """`state/ema.json`, or None for a checkpoint saved without EMA (every rank, before any collective)."""
+    path = os.path.join(folder, STATE, EMA_JSON)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        value = json.load(f)
+    if not isinstance(value, dict) or not isinstance(value.get("optimization_step"), int):
+        raise ValueError(f"{path} is not an hf_omni {EMA_JSON}")
+    return value
+
+
+def restore_ema(name: str, ema, folder: str, saved: dict | None) -> None:
+    """A module's EMA from its `state/` (shadows filled in place, resharded by DCP at another world size). A
+    checkpoint without EMA: the shadows start from the weights just loaded, counter 0 (a fresh `EMAModel`); a
+    checkpoint's EMA that this run does not keep is left unread."""
+    if ema is None:
+        if saved is not None:
+            logger.info("hf_omni: module %r: %s holds EMA weights; this run keeps none (not read)", name, folder)
+        return
+    if saved is None:
+        logger.warning("hf_omni: module %r: %s has no EMA state: its EMA starts from the resumed weights", name, folder)
+        ema.reset()
+        return
+    state_dir = os.path.join(folder, STATE)
+    load_once({"ema": dict(ema.shadows)}, functools.partial(_reader, state_dir), f"reading {state_dir} (EMA)")
+    ema.load_json(saved)
 
 
 def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict) -> dict:
@@ -198,8 +232,12 @@ class ModuleState:
         """The optimizer's tensors and the unmapped ones, every rank its own shards (`save_state_tensors`)."""
         if pipeline is not None and self.stager is None:
             self.stager = make_stager()
+        ema = self.slot.ema
+        if ema is not None and ema.swapped:
+            raise RuntimeError(f"module {self.slot.name!r}: a checkpoint inside ema_weights() would save the EMA "
+                               "weights as the live ones")
         save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), stager=self.stager, pipeline=pipeline,
-                           group=group)
+                           group=group, ema=dict(ema.shadows) if ema is not None else None)
 
     def close(self) -> None:
         if self.stager is not None:

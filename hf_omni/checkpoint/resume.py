@@ -73,7 +73,7 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
     saved = {}  # optimizer.json / scheduler.json of each module, read before any weights
     for name in [] if weights_only else trainable:
         with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
-            saved[name] = module_state.read_state_json(folders[name])
+            saved[name] = (*module_state.read_state_json(folders[name]), module_state.read_ema_json(folders[name]))
     todo = {name: folder for name, folder in folders.items()
             if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
     masters = {}  # module -> the master weights its state/ holds (read there, not from the rounded HF files)
@@ -97,6 +97,8 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
         folders[name], live[name], saved[name][0], states[name].unmapped_tensors(masters[name]))
         for name in trainable})
     scheduler.load_state_dict({name: saved[name][1] for name in trainable})
+    for name in trainable:  # `ema`: shadows and counter (or, from a checkpoint without, the loaded weights)
+        module_state.restore_ema(name, model.slots[name].ema, folders[name], saved[name][2])
     files.load_scaler(optimizer.scaler, directory)
 
 

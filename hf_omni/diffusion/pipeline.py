@@ -15,6 +15,7 @@ from torch import nn
 
 from ..formats.diffusers_models import diffusers_module, from_diffusers
 from ..formats.interface import format_of
+from ..modules.ema import ema_weights, slot_emas
 from ..modules.empty_init import build_empty
 from .index import INDEX, SAVED_BY, component_class, is_component, is_pipeline, pipeline_class
 from .lora_file import write_lora_file
@@ -137,8 +138,10 @@ def write_parts(model, directory: str) -> None:
 
 
 def write_adapters(model, directory: str, is_main_process: bool) -> None:
-    """Every rank, after the modules' folders: a pipeline's LoRA in diffusers' own file (`lora_file`)."""
-    write_lora_file(model, directory, is_main_process)
+    """Every rank, after the modules' folders: a pipeline's LoRA in diffusers' own file (`lora_file`; the EMA
+    weights of `export_ema` modules)."""
+    with ema_weights(model):
+        write_lora_file(model, directory, is_main_process)
 
 
 def write_index(model, directory: str) -> None:
@@ -171,4 +174,15 @@ def to_pipeline(model):
     # its record names each component's own class, not an in-place wrapper's (`DDPCLIPTextModel`); save through
     # the model (`save_pretrained`), which writes sharded modules whole: the live pipeline's own save cannot
     pipeline.register_to_config(**{k: tuple(v) for k, v in index.items() if is_component(v) and k in pipeline.config})
+    if slot_emas(model, export_only=True):  # `export_ema`: each call samples with the EMA weights, swapped back after
+        pipeline.__class__ = _sampling_with_ema(type(pipeline), model)
     return pipeline
+
+
+def _sampling_with_ema(cls, model):
+    """`cls` (same name) whose `__call__` runs inside `ema_weights(model)`."""
+    def __call__(self, *args, **kwargs):
+        with ema_weights(model):
+            return cls.__call__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})

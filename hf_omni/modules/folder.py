@@ -23,6 +23,7 @@ from ..lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_a
 from ..lora.base import weights_folder
 from ..lora.merge import row_merge_plan
 from . import folder_write
+from .ema import export_weights
 from .empty_init import build_empty
 from .folder_plan import plan_folder
 
@@ -143,7 +144,12 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
     """`slot`'s module as an HF folder. A module with sharded tensors: every rank calls this and writes its own
     rows in place (`merge_lora`: merged row by row, `lora.merge`; a LoRA that needs PEFT's own merge is gathered
     and merged on the main process); any other module: the main process writes it alone, as transformers'
-    `save_pretrained` would."""
+    `save_pretrained` would. With `export_ema`, its EMA weights (swapped in for the write, then back)."""
+    with export_weights(slot):
+        _export_module(slot, folder, merge_lora, is_main_process, max_shard_size)
+
+
+def _export_module(slot, folder: str, merge_lora: bool, is_main_process: bool, max_shard_size) -> None:
     lora = lora_config_of(slot.module) is not None
     merge = row_merge_plan(slot.module) if merge_lora and lora else None
     if merge_lora and lora and merge is None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only: the slot holds them, the layers above bui
     from ..arguments.module import ModuleArguments
     from ..checkpoint.module_state import ModuleState
     from ..offline.spec import OfflineEncoder
+    from .ema import ModuleEMA
     from ..parallel.strategy import Strategy
 
 
@@ -63,6 +64,7 @@ class ModuleSlot:
     scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None  # ... and its learning-rate scheduler
     grad_norm: "torch.Tensor | None" = None  # its last step's pre-clip gradient norm, on the device (never read here)
     checkpoint: "ModuleState | None" = None  # what its checkpoints keep beyond its tensors (plans, stager, base)
+    ema: "ModuleEMA | None" = None  # `ema`: its EMA shadows (built with the optimizers; `modules.ema`)
 
     @property
     def name(self) -> str:
