@@ -1,0 +1,144 @@
+"""Per-module EMA (`modules.<name>.ema`, `export_ema`; hf_omni/modules/ema.py): the update equals diffusers'
+`EMAModel` (1e-6); a checkpoint resumes it bitwise (shadows and counter) and, from a 2-rank FSDP run, at 1 process;
+the 2-rank run equals the 1-process one (1e-5); an export with `export_ema` writes the EMA weights and leaves the
+live ones bitwise as they were; a bad field is refused naming module and key; the bytes table counts the shadows."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from ema_runs import MODULES, STEPS, ema_state, prepared, run, train
+from safetensors.torch import load_file
+
+from hf_omni import OmniArgumentError, OmniPlugin, OmniTrainingArguments
+from hf_omni.modules.ema import ModuleEMA
+from launching import launch
+
+
+@pytest.mark.parametrize("settings", [{}, {"decay": 0.9, "update_after_step": 2},
+                                      {"decay": 0.999, "use_ema_warmup": True, "inv_gamma": 1.0, "power": 0.75,
+                                       "min_decay": 0.1}])
+def test_update_equals_diffusers_ema_model(settings):
+    from diffusers.training_utils import EMAModel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    net[1].weight.requires_grad_(False)  # a frozen parameter: no shadow here, copied (unchanged) by EMAModel
+    theirs = EMAModel(net.parameters(), **settings)
+    ours = ModuleEMA(net, settings)
+    worst = 0.0
+    for _ in range(12):
+        with torch.no_grad():
+            for p in net.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+        theirs.step(net.parameters())
+        ours.update()
+        assert ours.get_decay(ours.optimization_step) == theirs.cur_decay_value
+        named = dict(net.named_parameters())
+        for (name, p), shadow in zip(named.items(), theirs.shadow_params):
+            if p.requires_grad:
+                worst = max(worst, (ours.shadows[name] - shadow).abs().max().item())
+    print(f"max |hf_omni - EMAModel| = {worst:.3g}")
+    assert worst <= 1e-6
+
+
+def test_bad_ema_field_is_refused_naming_module_and_key(tmp_path):
+    with pytest.raises(OmniArgumentError, match=r"modules\.toy\.ema\.decayy"):
+        OmniTrainingArguments(output_dir=str(tmp_path), use_cpu=True, modules={"toy": {"ema": {"decayy": 0.9}}})
+    with pytest.raises(OmniArgumentError, match=r"ema\.decay.*\[0, 1\]"):
+        OmniTrainingArguments(output_dir=str(tmp_path), use_cpu=True, ema={"decay": 2})
+    from toy_runs import toy_model
+
+    plugin = OmniPlugin(modules={"toy": {"export_ema": True}}, output_dir=str(tmp_path))
+    with pytest.raises(OmniArgumentError, match=r"modules\.toy\.export_ema"):
+        plugin.resolve(toy_model())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ema_single"))
+    return out, run(out)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _ema_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[n]["step"] == b[n]["step"] and _equal(a[n]["shadows"], b[n]["shadows"])
+                                        for n in a)
+
+
+def test_resume_is_bitwise_with_the_ema(single):
+    _, r = single
+    assert {n: e["step"] for n, e in r["ema"].items()} == {"toy": STEPS, "llm": STEPS}
+    assert _ema_equal(r["ema_loaded"], r["ema_at_save"])
+    assert r["resumed_losses"] == r["losses"][2:]
+    assert _equal(r["resumed_live"], r["live"])
+    assert _ema_equal(r["resumed_ema"], r["ema"])
+    assert not _equal(r["ema"]["toy"]["shadows"], {k[4:]: v for k, v in r["live"].items()
+                                                   if k[4:] in r["ema"]["toy"]["shadows"]})
+
+
+def test_export_ema_writes_the_ema_weights_and_restores_the_live_ones(single):
+    out, r = single
+    assert _equal(r["restored"], r["live"])  # swapped back bitwise
+    written = load_file(os.path.join(out, "export", "toy", "toy_weights.safetensors"))
+    shadows = r["ema"]["toy"]["shadows"]
+    assert all(torch.equal(written[k], shadows[k]) for k in shadows)
+    assert torch.equal(written["scale"], r["live"]["toy.scale"])  # a buffer: as it is
+    llm = {}  # no export_ema: the live weights
+    for path in glob.glob(os.path.join(out, "export", "llm", "*.safetensors")):
+        llm.update(load_file(path))
+    assert all(torch.equal(v, r["live"]["llm." + k]) for k, v in llm.items())
+    assert _equal(r["llm_swapped"], {f"llm.{k}": v for k, v in r["ema"]["llm"]["shadows"].items()})
+
+
+def test_bytes_table_counts_the_shadows(single):
+    _, r = single
+    model = prepared("unused", MODULES)[0]
+    for name in ("toy", "llm"):
+        params = [p for p in model.slots[name].module.parameters() if p.requires_grad]
+        assert r["bytes"][name] == sum(p.numel() * p.element_size() for p in params) > 0
+
+
+def test_checkpoint_without_ema_and_ema_without_run(single, tmp_path):
+    out, _ = single
+    plain = {"toy": {"learning_rate": 1e-2}, "llm": {"learning_rate": 1e-3}}
+    model, plugin, accelerator = prepared(str(tmp_path / "plain"), plain)
+    train(model, plugin, accelerator, 4, range(1))
+    plugin.save_state(str(tmp_path / "plain-ckpt"), step=1)
+    assert not os.path.exists(tmp_path / "plain-ckpt" / "toy" / "state" / "ema.json")
+    again, plugin2, _ = prepared(str(tmp_path / "again"), MODULES)
+    plugin2.load_state(str(tmp_path / "plain-ckpt"))  # EMA starts from the resumed weights, counter 0
+    for name, state in ema_state(again).items():
+        assert state["step"] == 0
+        live = dict(again.slots[name].module.named_parameters())
+        assert all(torch.equal(s, live[k].detach()) for k, s in state["shadows"].items())
+    without, plugin3, _ = prepared(str(tmp_path / "without"), plain)
+    plugin3.load_state(os.path.join(out, "checkpoint-2"))  # its EMA is not read
+    assert all(slot.ema is None for slot in without.slots.values())
+
+
+def test_two_ranks_fsdp_equal_one_process_and_resume_at_one(single, tmp_path):
+    out1, r1 = single
+    launch("mp_ema.py", str(tmp_path))
+    r2 = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert all(r2["dtensor_shadows"].values()) and r2["dtensor_shadows"]  # sharded like the parameters
+    for key in ("live", "resumed_live"):
+        torch.testing.assert_close(r2[key], r1[key], atol=1e-5, rtol=0)
+    for key in ("ema", "ema_at_save", "resumed_ema"):
+        for name in r1[key]:
+            assert r2[key][name]["step"] == r1[key][name]["step"]
+            torch.testing.assert_close(r2[key][name]["shadows"], r1[key][name]["shadows"], atol=1e-5, rtol=0)
+    assert r2["bytes"]["toy"] * 2 == r1["bytes"]["toy"]  # each rank its shard (the toy's sizes split evenly)
+    model, plugin, accelerator = prepared(str(tmp_path / "elastic"), MODULES)  # the 2-rank checkpoint at 1 process
+    plugin.load_state(str(tmp_path / "checkpoint-2"))
+    assert _ema_equal(ema_state(model), r2["ema_at_save"])
+    train(model, plugin, accelerator, 4, range(2, STEPS))
+    for name, state in ema_state(model).items():
+        torch.testing.assert_close(state["shadows"], r2["ema"][name]["shadows"], atol=1e-5, rtol=0)
