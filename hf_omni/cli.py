@@ -15,6 +15,7 @@ import argparse
 import os
 import shutil
 
+from .checkpoint.ema_export import exports_ema, fill_ema_weights
 from .checkpoint.files import check_complete
 from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
@@ -38,8 +39,10 @@ def export(checkpoint: str, out: str) -> None:
     if adopted is not None and not os.path.isfile(os.path.join(released, "config.json")):
         raise FileNotFoundError(f"{checkpoint} is an adopted model's checkpoint without its released/ folder")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
-    if getattr(config, "pipeline", None):  # a pipeline folder: loaded whole, LoRA merged and in diffusers' file
-        OmniModel.from_pretrained(checkpoint).save_pretrained(partial)
+    if getattr(config, "pipeline", None) or (not adopted and exports_ema(checkpoint, config)):
+        model = OmniModel.from_pretrained(checkpoint)  # a pipeline folder: loaded whole, LoRA merged and in diffusers'
+        fill_ema_weights(model, checkpoint, config)  # file; `export_ema` modules: their EMA weights from state/
+        model.save_pretrained(partial)
     elif adopted:
         copy_module_folder(released, partial)
     else:

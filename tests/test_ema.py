@@ -142,3 +142,16 @@ def test_two_ranks_fsdp_equal_one_process_and_resume_at_one(single, tmp_path):
     train(model, plugin, accelerator, 4, range(2, STEPS))
     for name, state in ema_state(model).items():
         torch.testing.assert_close(state["shadows"], r2["ema"][name]["shadows"], atol=1e-5, rtol=0)
+
+
+def test_cli_export_of_a_checkpoint_writes_the_ema_weights(single, tmp_path):
+    from hf_omni.cli import export
+
+    out, r = single
+    export(os.path.join(out, "checkpoint-2"), str(tmp_path / "exported"))
+    written = load_file(str(tmp_path / "exported" / "toy" / "toy_weights.safetensors"))
+    shadows = r["ema_at_save"]["toy"]["shadows"]
+    assert all(torch.equal(written[k], shadows[k]) for k in shadows)
+    llm = load_file(os.path.join(out, "checkpoint-2", "llm", "model.safetensors"))  # no export_ema: as saved
+    exported = load_file(str(tmp_path / "exported" / "llm" / "model.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in llm.items())

@@ -101,10 +101,12 @@ def state_keys(folder: str) -> list[str]:
     return sorted(_reader(os.path.join(folder, STATE), checkpoint_group()).read_metadata().state_dict_metadata)
 
 
-def load_module_tensors(folder: str, tensors: dict) -> None:
-    """Only the module `tensors` of a `state/` (no optimizer): DCP reads just the keys asked for."""
-    if tensors:
-        load_once({"tensors": tensors}, functools.partial(_reader, os.path.join(folder, STATE)), f"reading {folder}")
+def load_module_tensors(folder: str, tensors: dict, extra: dict | None = None) -> None:
+    """Only the module `tensors` of a `state/` (no optimizer), and `extra` (`{"ema": ...}`): DCP reads just the keys
+    asked for."""
+    state = {**({"tensors": tensors} if tensors else {}), **(extra or {})}
+    if state:
+        load_once(state, functools.partial(_reader, os.path.join(folder, STATE)), f"reading {folder}")
 
 
 def read_state_json(folder: str) -> tuple[dict, dict]:
