@@ -179,9 +179,9 @@ def test_bytes_before_and_after_the_first_step_fp32_adamw(tmp_path):
     vision_bytes = sum(t.numel() * 4 for t in model.vision.parameters())
     before = plugin.module_bytes()
     assert before["llm"] == {"kind": "none", "mesh": "-", "parameters": p, "gradients": p, "optimizer": 2 * p + 4 * n,
-                             "optimizer_basis": "predicted", "master": 0, "total": 4 * p + 4 * n}
+                             "optimizer_basis": "predicted", "master": 0, "ema": 0, "total": 4 * p + 4 * n}
     assert before["vision"] == {"kind": "none", "mesh": "-", "parameters": vision_bytes, "gradients": 0,
-                                "optimizer": 0, "optimizer_basis": "-", "master": 0, "total": vision_bytes}
+                                "optimizer": 0, "optimizer_basis": "-", "master": 0, "ema": 0, "total": vision_bytes}
     batch = next(batches(tiny_data(model), 8))
     model(**batch).loss.backward()
     optimizer.step()
