@@ -155,3 +155,34 @@ def test_cli_export_of_a_checkpoint_writes_the_ema_weights(single, tmp_path):
     llm = load_file(os.path.join(out, "checkpoint-2", "llm", "model.safetensors"))  # no export_ema: as saved
     exported = load_file(str(tmp_path / "exported" / "llm" / "model.safetensors"))
     assert all(torch.equal(exported[k], v) for k, v in llm.items())
+
+
+def test_lora_unet_ema_samples_and_exports_with_the_ema_weights(tmp_path):
+    """A diffusers module with LoRA under OmniTrainer: the EMA covers the adapters alone (the trained parameters);
+    `to_pipeline()` samples and `save_model` exports (LoRA merged, and diffusers' LoRA file) with the EMA weights, as
+    the same calls inside `ema_weights` without `export_ema` do; the live weights are bitwise as before after."""
+    from diffusion_runs import LORA, trainer
+    from tiny_pipelines import sample
+
+    from hf_omni import ema_weights
+
+    lora = {**LORA, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    modules = {"unet": {"learning_rate": 1e-2, "lora": lora, "ema": {"decay": 0.5}, "export_ema": True},
+               "text_encoder": {"trainable": False}, "vae": {"trainable": False}}
+    run = trainer("sd", str(tmp_path / "run"), modules, 4, max_steps=2, save_strategy="no")
+    run.train()
+    model, ema = run.model, run.model.slots["unet"].ema
+    assert ema.optimization_step == 2 and ema.shadows and all("lora_" in name for name in ema.shadows)
+    live = {k: v.detach().clone() for k, v in model.unet.state_dict().items()}
+    with_ema = sample(model.to_pipeline())
+    run.save_model(str(tmp_path / "export"))
+    assert all(torch.equal(v, live[k]) for k, v in model.unet.state_dict().items())  # swapped back bitwise
+    ema.export = False
+    plain = sample(model.to_pipeline())
+    with ema_weights(model, modules=["unet"]):
+        by_hand = sample(model.to_pipeline())
+        model.save_pretrained(str(tmp_path / "by_hand"))
+    assert torch.equal(with_ema, by_hand) and not torch.equal(with_ema, plain)
+    for name in ("unet/diffusion_pytorch_model.safetensors", "pytorch_lora_weights.safetensors"):
+        ours, theirs = load_file(str(tmp_path / "export" / name)), load_file(str(tmp_path / "by_hand" / name))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
