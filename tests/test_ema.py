@@ -186,3 +186,41 @@ def test_lora_unet_ema_samples_and_exports_with_the_ema_weights(tmp_path):
     for name in ("unet/diffusion_pytorch_model.safetensors", "pytorch_lora_weights.safetensors"):
         ours, theirs = load_file(str(tmp_path / "export" / name)), load_file(str(tmp_path / "by_hand" / name))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_adopted_part_ema_resumes_and_exports_in_the_released_format(tmp_path):
+    """An adopted model's projector (a part of a released model) with EMA: `save_model` and `hf-omni export` of a
+    checkpoint write its EMA weights under the released class's keys; a resume restores the EMA bitwise."""
+    from helpers import make_args
+    from released_models import BUILDERS, MODULES, Rows, collate
+
+    from hf_omni import OmniModel, OmniTrainer
+    from hf_omni.cli import main
+
+    family = next(iter(BUILDERS))
+    names = MODULES[family]
+    settings = {"vision": {"trainable": False}, "llm": {"trainable": False},
+                "projector": {"learning_rate": 1e-2, "ema": {"decay": 0.7}, "export_ema": True}}
+    projector = "projector"
+
+    def trainer(out):
+        model = OmniModel.from_model(BUILDERS[family](0), modules=names)
+        return OmniTrainer(model=model, args=make_args(out, modules=settings, save_strategy="steps", save_steps=2),
+                           train_dataset=Rows(family, model.released, 32), data_collator=collate)
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    ema = straight.model.slots[projector].ema
+    straight.save_model(str(tmp_path / "export"))
+    main(["export", str(tmp_path / "straight" / "checkpoint-4"), str(tmp_path / "cli")])
+    for folder in ("export", "cli"):
+        written = load_file(str(tmp_path / folder / "model.safetensors"))
+        keyed = {k: next(w for w in written if k.endswith(w)) for k in ema.shadows}  # the released class's keys
+        assert all(torch.equal(written[keyed[k]], s) for k, s in ema.shadows.items()), folder
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    again = resumed.model.slots[projector].ema
+    assert again.optimization_step == ema.optimization_step == 4
+    assert all(torch.equal(again.shadows[k], s) for k, s in ema.shadows.items())
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
