@@ -108,7 +108,8 @@ def format_bytes_table(rows: dict[str, dict]) -> str:
                      f"{r['gradients'] / MIB:>10.2f} {r['optimizer'] / MIB:>10.2f} {r['optimizer_basis']:<9} "
                      f"{r['master'] / MIB:>8.2f} {r['ema'] / MIB:>8.2f} {r['total'] / MIB:>9.2f}")
     total = sum(r["total"] for r in rows.values())
-    lines.append(f"{'(all)':<14} {'':<8} {'':<6} {'':>11} {'':>10} {'':>10} {'':<9} {'':>8} {'':>8} {total / MIB:>9.2f}")
+    lines.append(f"{'(all)':<14} {'':<8} {'':<6} {'':>11} {'':>10} {'':>10} {'':<9} {'':>8} {'':>8} "
+                 f"{total / MIB:>9.2f}")
     lines.append("MiB on this rank; master: the fp32 masters among the parameters (in `parameters`, not added again); "
                  "ema: EMA shadows (added)")
     return "\n".join(lines)

@@ -60,8 +60,9 @@ def train(model, plugin, accelerator, batch: int, steps: range) -> list[float]:
 def run(out: str, modules: dict = MODULES, batch: int = 4) -> dict:
     model, plugin, accelerator = prepared(os.path.join(out, "run"), modules)
     bytes_rows = plugin.module_bytes()
-    placements = {n: str(getattr(s, "placements", None)) == str(getattr(model.slots["toy"].ema.params[n], "placements", None))
-                  and hasattr(s, "placements") for n, s in model.slots["toy"].ema.shadows.items()}
+    toy = model.slots["toy"].ema  # under FSDP: every shadow a DTensor with its parameter's placements
+    placements = {n: hasattr(s, "placements") and s.placements == toy.params[n].placements
+                  for n, s in toy.shadows.items()}
     losses = train(model, plugin, accelerator, batch, range(SAVE_AT))
     plugin.save_state(os.path.join(out, "checkpoint-2"), step=SAVE_AT)
     ema_at_save = ema_state(model)
@@ -78,4 +79,5 @@ def run(out: str, modules: dict = MODULES, batch: int = 4) -> dict:
     return {"losses": losses, "live": live, "ema": ema, "ema_at_save": ema_at_save, "restored": restored,
             "llm_swapped": llm_swapped, "ema_loaded": ema_loaded, "resumed_losses": resumed_losses,
             "resumed_live": full_state(again), "resumed_ema": ema_state(again),
-            "bytes": {n: r["ema"] for n, r in bytes_rows.items()}, "dtensor_shadows": placements}
+            "bytes": {n: r["ema"] for n, r in bytes_rows.items()},
+            "dtensor_shadows": placements}

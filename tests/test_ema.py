@@ -125,7 +125,7 @@ def test_checkpoint_without_ema_and_ema_without_run(single, tmp_path):
 
 
 def test_two_ranks_fsdp_equal_one_process_and_resume_at_one(single, tmp_path):
-    out1, r1 = single
+    _, r1 = single
     launch("mp_ema.py", str(tmp_path))
     r2 = torch.load(tmp_path / "result.pt", weights_only=False)
     assert all(r2["dtensor_shadows"].values()) and r2["dtensor_shadows"]  # sharded like the parameters

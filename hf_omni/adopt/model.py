@@ -136,8 +136,9 @@ class AdoptedModel(OmniModel):
                         **kwargs) -> None:
         """The released class's own format, written as `OmniModel` writes its modules (every rank its own rows of a
         sharded module's tensors), and `hf_omni.json`. LoRA is always merged (`merge_lora` is ignored): the released
-        format holds no adapters; `export_ema` modules write their EMA weights. `module_folders`: modules that are one `PreTrainedModel` (LLaVA's
-        `model.vision_tower`) also written as `<save_directory>/<module>/`, each loadable alone."""
+        format holds no adapters; `export_ema` modules write their EMA weights. `module_folders`: modules that are
+        one `PreTrainedModel` (LLaVA's `model.vision_tower`) also written as `<save_directory>/<module>/`, each
+        loadable alone."""
 
         if kwargs.get("state_dict") is not None:
             raise ValueError("AdoptedModel.save_pretrained writes its modules' own state; `state_dict=` is not "
