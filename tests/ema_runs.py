@@ -1,6 +1,7 @@
 """Per-module EMA (`modules.<name>.ema`) over a plain Accelerate loop of OmniPlugin, shared by the 1-process test
 (tests/test_ema.py) and the 2-rank script (tests/scripts/mp_ema.py): the toy-format composition (tests/toy_runs.py)
-trained 4 steps with EMA on both modules, checkpointed at step 2, exported with `export_ema` on the toy module,
+trained 4 steps with EMA on both modules, checkpointed at step 2 (`save_async`: the shadows are staged before
+the next step changes them), exported with `export_ema` on the toy module,
 and resumed from step 2. Every rank calls it; tensors come back full (sharded DTensors gathered) on CPU."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def prepared(out: str, modules: dict):
     from accelerate import Accelerator
 
     model = toy_model()
-    plugin = OmniPlugin(modules=modules, defaults={"max_grad_norm": 1.0}, output_dir=out)
+    plugin = OmniPlugin(modules=modules, defaults={"max_grad_norm": 1.0, "save_async": True}, output_dir=out)
     accelerator = Accelerator(cpu=True)
     plugin.prepare(accelerator, model, num_training_steps=STEPS)
     return model, plugin, accelerator
@@ -66,7 +67,8 @@ def run(out: str, modules: dict = MODULES, batch: int = 4) -> dict:
     losses = train(model, plugin, accelerator, batch, range(SAVE_AT))
     plugin.save_state(os.path.join(out, "checkpoint-2"), step=SAVE_AT)
     ema_at_save = ema_state(model)
-    losses += train(model, plugin, accelerator, batch, range(SAVE_AT, STEPS))
+    losses += train(model, plugin, accelerator, batch, range(SAVE_AT, STEPS))  # while the save is written
+    plugin.wait_for_save()
     live, ema = full_state(model), ema_state(model)
     model.save_pretrained(os.path.join(out, "export"))  # toy: export_ema
     restored = full_state(model)

@@ -46,6 +46,30 @@ def test_update_equals_diffusers_ema_model(settings):
     assert worst <= 1e-6
 
 
+def test_update_reads_no_device_memory_and_skips_a_step_that_did_not_step():
+    """The decay is a host number (no `.item()` of any tensor); a step skipped (fp16 inf / nan: the module not in
+    `ModuleOptimizers.stepped`) is no EMA step."""
+    from types import SimpleNamespace
+
+    from hf_omni.optim.ema import attach_emas
+    from hf_omni.testing.host_reads import HostReads
+
+    net = torch.nn.Linear(4, 4)
+    slot = SimpleNamespace(name="net", module=net, trains=True, args=SimpleNamespace(ema={"decay": 0.9},
+                                                                                    export_ema=False))
+    optimizer = SimpleNamespace(stepped={"net"}, after_step=[])
+    emas = attach_emas(SimpleNamespace(slots={"net": slot}), optimizer)
+    with HostReads() as reads:
+        for _ in range(3):
+            optimizer.after_step[0]()
+    assert reads.found == [] and emas["net"].optimization_step == 3
+    optimizer.stepped = set()
+    before = {k: v.clone() for k, v in emas["net"].shadows.items()}
+    optimizer.after_step[0]()
+    assert emas["net"].optimization_step == 3 and all(torch.equal(before[k], v) for k, v in
+                                                      emas["net"].shadows.items())
+
+
 def test_bad_ema_field_is_refused_naming_module_and_key(tmp_path):
     with pytest.raises(OmniArgumentError, match=r"modules\.toy\.ema\.decayy"):
         OmniTrainingArguments(output_dir=str(tmp_path), use_cpu=True, modules={"toy": {"ema": {"decayy": 0.9}}})
@@ -112,6 +136,7 @@ def test_checkpoint_without_ema_and_ema_without_run(single, tmp_path):
     model, plugin, accelerator = prepared(str(tmp_path / "plain"), plain)
     train(model, plugin, accelerator, 4, range(1))
     plugin.save_state(str(tmp_path / "plain-ckpt"), step=1)
+    plugin.wait_for_save()
     assert not os.path.exists(tmp_path / "plain-ckpt" / "toy" / "state" / "ema.json")
     again, plugin2, _ = prepared(str(tmp_path / "again"), MODULES)
     plugin2.load_state(str(tmp_path / "plain-ckpt"))  # EMA starts from the resumed weights, counter 0
@@ -136,6 +161,9 @@ def test_two_ranks_fsdp_equal_one_process_and_resume_at_one(single, tmp_path):
             assert r2[key][name]["step"] == r1[key][name]["step"]
             torch.testing.assert_close(r2[key][name]["shadows"], r1[key][name]["shadows"], atol=1e-5, rtol=0)
     assert r2["bytes"]["toy"] * 2 == r1["bytes"]["toy"]  # each rank its shard (the toy's sizes split evenly)
+    assert _equal(r2["restored"], r2["live"])  # the 2-rank export swapped the sharded toy back bitwise
+    written = load_file(str(tmp_path / "export" / "toy" / "toy_weights.safetensors"))
+    assert all(torch.equal(written[k], v) for k, v in r2["ema"]["toy"]["shadows"].items())
     model, plugin, accelerator = prepared(str(tmp_path / "elastic"), MODULES)  # the 2-rank checkpoint at 1 process
     plugin.load_state(str(tmp_path / "checkpoint-2"))
     assert _ema_equal(ema_state(model), r2["ema_at_save"])
