@@ -144,6 +144,9 @@ def test_checkpoint_without_ema_and_ema_without_run(single, tmp_path):
         assert state["step"] == 0
         live = dict(again.slots[name].module.named_parameters())
         assert all(torch.equal(s, live[k].detach()) for k, s in state["shadows"].items())
+    best, plugin4, _ = prepared(str(tmp_path / "best"), MODULES)  # load_best_model_at_end: the checkpoint's EMA
+    plugin4.load_state(os.path.join(out, "checkpoint-2"), weights_only=True)
+    assert _ema_equal(ema_state(best), single[1]["ema_at_save"])
     without, plugin3, _ = prepared(str(tmp_path / "without"), plain)
     plugin3.load_state(os.path.join(out, "checkpoint-2"))  # its EMA is not read
     assert all(slot.ema is None for slot in without.slots.values())

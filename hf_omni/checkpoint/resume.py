@@ -1,7 +1,8 @@
 """Reading a per-module checkpoint back into a prepared composed model (what `ModuleCheckpointer.save` wrote).
 
     checks (marker, files, module set) -> every module's shapes / dtypes -> weights (each rank its own rows)
-    -> optimizer shards (DCP reshards) + optimizer / scheduler JSON -> the Stateful composites -> GradScaler
+    -> optimizer shards (DCP reshards) + optimizer / scheduler JSON -> the Stateful composites -> EMA shadows
+    (`state/ema.json`; also for a weights-only load: the best model's EMA) -> GradScaler
 
 Every step some rank does alone ends in an agreement (`dist.agreed`), so a rank that fails fails them all.
 """
@@ -70,10 +71,11 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
         for name in trainable:
             if folders[name] != checkpointer.folder(directory, name):
                 raise ValueError(f"checkpoint {directory}: trainable module {name!r} has no folder of its own")
-    saved = {}  # optimizer.json / scheduler.json of each module, read before any weights
-    for name in [] if weights_only else trainable:
+    saved, emas = {}, {}  # optimizer.json / scheduler.json / ema.json of each module, read before any weights
+    for name in trainable:
         with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
-            saved[name] = (*module_state.read_state_json(folders[name]), module_state.read_ema_json(folders[name]))
+            saved[name] = None if weights_only else module_state.read_state_json(folders[name])
+            emas[name] = module_state.read_ema_json(folders[name])
     todo = {name: folder for name, folder in folders.items()
             if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
     masters = {}  # module -> the master weights its state/ holds (read there, not from the rounded HF files)
@@ -91,6 +93,7 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
         for name in trainable:
             if os.path.isdir(os.path.join(folders[name], module_state.STATE)):
                 module_state.load_module_tensors(folders[name], states[name].unmapped_tensors(masters[name]))
+            module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name])  # (the best model's)
         return
     live = optimizer.templates()  # this rank's shapes of every module's optimizer state
     optimizer.load_state_dict({name: module_state.read_optimizer_state(
@@ -98,7 +101,7 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
         for name in trainable})
     scheduler.load_state_dict({name: saved[name][1] for name in trainable})
     for name in trainable:  # `ema`: shadows and counter (or, from a checkpoint without, the loaded weights)
-        module_state.restore_ema(name, model.slots[name].ema, folders[name], saved[name][2])
+        module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name])
     files.load_scaler(optimizer.scaler, directory)
 
 
