@@ -200,7 +200,7 @@ def test_lora_unet_ema_samples_and_exports_with_the_ema_weights(tmp_path):
     lora = {**LORA, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
     modules = {"unet": {"learning_rate": 1e-2, "lora": lora, "ema": {"decay": 0.5}, "export_ema": True},
                "text_encoder": {"trainable": False}, "vae": {"trainable": False}}
-    run = trainer("sd", str(tmp_path / "run"), modules, 4, max_steps=2, save_strategy="no")
+    run = trainer("sd", str(tmp_path / "run"), modules, 4, max_steps=2)  # checkpoint-2: the final state
     run.train()
     model, ema = run.model, run.model.slots["unet"].ema
     assert ema.optimization_step == 2 and ema.shadows and all("lora_" in name for name in ema.shadows)
@@ -214,9 +214,14 @@ def test_lora_unet_ema_samples_and_exports_with_the_ema_weights(tmp_path):
         by_hand = sample(model.to_pipeline())
         model.save_pretrained(str(tmp_path / "by_hand"))
     assert torch.equal(with_ema, by_hand) and not torch.equal(with_ema, plain)
+    from hf_omni.cli import main
+
+    main(["export", str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "cli")])  # EMA read from state/
     for name in ("unet/diffusion_pytorch_model.safetensors", "pytorch_lora_weights.safetensors"):
-        ours, theirs = load_file(str(tmp_path / "export" / name)), load_file(str(tmp_path / "by_hand" / name))
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+        theirs = load_file(str(tmp_path / "by_hand" / name))
+        for folder in ("export", "cli"):
+            ours = load_file(str(tmp_path / folder / name))
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), (folder, name)
 
 
 def test_adopted_part_ema_resumes_and_exports_in_the_released_format(tmp_path):
