@@ -21,7 +21,7 @@ from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
 from ..modeling import OmniModel
 
-SIDE = 8  # load_digits' own resolution; the UNet goes 8 -> 4 -> 2
+SIDE = 8  # load_digits' own resolution; the UNet works at 8x8 and 4x4
 TEXT_DIM = 32  # T5 d_model = UNet cross_attention_dim
 WORDS = ["a", "handwritten", *"0123456789"]
 
@@ -49,7 +49,7 @@ def build_pipeline(seed: int = 0, channels: tuple = (32, 32), text_layers: int =
         vocab_size=len(tok), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=text_layers, num_heads=4,
         relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
-    unet = UNet2DConditionModel(  # cross-attention (to the prompt only) at 4x4 and below: 8x8 needs none
+    unet = UNet2DConditionModel(  # cross-attention (to the prompt only) at 4x4, none at 8x8: cheaper
         sample_size=SIDE, in_channels=1, out_channels=2, layers_per_block=1, block_out_channels=channels,
         down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (len(channels) - 1),
         up_block_types=("CrossAttnUpBlock2D",) * (len(channels) - 1) + ("UpBlock2D",), only_cross_attention=True,
