@@ -49,6 +49,6 @@ def test_quickstart_runs_top_to_bottom(tmp_path, monkeypatch):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 2  # the training curves and the captioned digits, drawn by the inline backend
+    assert len(images) == 3  # the training curves, the captioned digits and the drawn ones (inline backend)
     assert repo_files() == before  # everything went to a temporary folder,
     assert not [n for n in os.listdir(tmp_path) if n.startswith("hf_omni_quickstart_")]  # removed at the end

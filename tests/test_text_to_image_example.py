@@ -39,3 +39,26 @@ def test_scorer_reads_real_digits_and_not_noise():
     rng = np.random.default_rng(0)
     assert score(classifier, rng.random((1000, 8, 8)), np.repeat(np.arange(10), 100)) <= 0.2  # chance: 10%
     assert score(classifier, train_x.reshape(-1, 8, 8) / 16.0, (train_y + 1) % 10) <= 0.05  # wrong prompts
+
+
+def test_sample_images_of_a_grey_pipeline_are_logged(tmp_path):
+    """SampleImagesCallback on a one-channel pipeline: grey PNGs of the pipeline's size, and TensorBoard images."""
+    from PIL import Image
+
+    from hf_omni import OmniTrainer, OmniTrainingArguments, SampleImagesCallback
+    from hf_omni.testing.digits_t2i import DigitPrompts, DigitT2I
+
+    model = DigitT2I.from_pipeline(build_pipeline())
+    (x, y), _ = load_splits()
+    args = OmniTrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+                                 report_to=["tensorboard"], save_strategy="no", disable_tqdm=True,
+                                 modules={"text_encoder": {"trainable": False}})
+    trainer = OmniTrainer(model=model, args=args, train_dataset=DigitPrompts(x[:8], y[:8],
+                                                                             model.processors["text_encoder"]))
+    trainer.add_callback(SampleImagesCallback(["a handwritten 7", "a handwritten 1"], every_n_steps=1,
+                                              num_inference_steps=2))
+    trainer.train()
+    assert sorted(os.listdir(tmp_path / "samples")) == ["step-1", "step-2"]
+    image = Image.open(tmp_path / "samples" / "step-2" / "1.png")
+    assert image.mode == "L" and image.size == (8, 8)
+    assert os.listdir(tmp_path / "runs" / "samples")

@@ -33,7 +33,7 @@ class SampleImagesCallback(TrainerCallback):
         self.last_step = -1
 
     def sample(self, model) -> np.ndarray:
-        """(prompts, H, W, 3) floats in [0, 1]: the model's pipeline as it is now, from the fixed seed."""
+        """(prompts, H, W, channels) floats in [0, 1]: the model's pipeline as it is now, from the fixed seed."""
         was_training = model.training
         model.eval()
         try:
@@ -69,8 +69,8 @@ class SampleImagesCallback(TrainerCallback):
         os.makedirs(folder, exist_ok=True)
         from PIL import Image
 
-        for i, image in enumerate(uint8):
-            Image.fromarray(image).save(os.path.join(folder, f"{i}.png"))
+        for i, image in enumerate(uint8):  # one channel (grey pixel-space pipelines): PIL takes it as (H, W)
+            Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(os.path.join(folder, f"{i}.png"))
         trackers = args.report_to or []
         if "tensorboard" in trackers:
             from torch.utils.tensorboard import SummaryWriter
