@@ -45,6 +45,16 @@ def broadcast_from_main(value, group=None):
     return objects[0]
 
 
+def default_group_timeout(timeout_s: float | None) -> None:
+    """The default group's timeout becomes `timeout_s` (`ddp_timeout`): Trainer passes
+    `ddp_timeout` to the process group it makes except under `use_cpu`, and a custom loop's group has whatever its
+    Accelerator was given. One setting per process, no collective."""
+    if has_process_group() and timeout_s:
+        from .compat import set_group_timeout
+
+        set_group_timeout(dist.group.WORLD, timeout_s)
+
+
 _SIDE_GROUPS: dict = {}  # thread -> (the default group it was made under, the gloo group)
 
 

@@ -27,7 +27,7 @@ from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
-from .dist import checkpoint_group, has_process_group
+from .dist import checkpoint_group, default_group_timeout, has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
@@ -162,9 +162,11 @@ class OmniPlugin:
         if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
+        default_group_timeout(self.args.ddp_timeout)
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,
-                                                         model_settings=self.args.fsdp_plugin)
+                                                         model_settings=self.args.fsdp_plugin,
+                                                         timeout_s=self.args.ddp_timeout)
         self.checkpointer = ModuleCheckpointer(model, self.output_dir, self.args.save_async,
                                                verify=self.args.verify_checkpoint,
                                                show_progress=not self.args.disable_tqdm,

@@ -19,7 +19,7 @@ REPLICATED = {  # llm replicated (DDP), projector full shard, vision HSDP; each 
 MISSING = {"vision": {"learning_rate": 1e-3, "parallel": "fsdp"}, "projector": {"learning_rate": 3e-3, "parallel": "ddp"},
            "llm": {**LLM, "parallelism": HSDP}}
 COMMON = dict(max_steps=4)
-MULTI, SINGLE = dict(per_device_train_batch_size=2), dict(per_device_train_batch_size=8)
+MULTI, SINGLE = dict(per_device_train_batch_size=2, ddp_timeout=1234), dict(per_device_train_batch_size=8)
 
 
 def scenario(modules, model="tiny_model", atol=1e-5, **extra):
@@ -59,19 +59,23 @@ SCENARIOS = {
     # fsdp_scope: model wraps the composed model once, on the top-level parallelism's mesh
     "model_scope_hsdp": scenario({"vision": {"learning_rate": 1e-3}, "projector": {"learning_rate": 3e-3}},
                                  fsdp_scope="model", parallelism=HSDP),
-    # accumulation windows per mesh: no gradient sync until the last micro-step (HSDP: neither reduce-scatter nor
-    # all-reduce), the projector's HSDP units kept gathered inside the window
+    # accumulation windows per mesh against one process without accumulation: llm and projector (HSDP 2x2)
+    # reduce-scatter every micro-step and all-reduce at the window's last (`sync_each_batch` unset), the projector's
+    # units kept gathered inside the window; vision (full shard over 4) with `sync_each_batch: false` syncs nothing
+    # until the last micro-step
     "hsdp_accumulation": {
         "multi": dict(COMMON, modules=dict(MIXED, projector={**MIXED["projector"], "fsdp_plugin": {
-            "reshard_after_backward": False}}), per_device_train_batch_size=1, gradient_accumulation_steps=2),
-        "single": dict(COMMON, modules=MIXED, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+            "reshard_after_backward": False}}, vision={**MIXED["vision"], "sync_each_batch": False}),
+            per_device_train_batch_size=1, gradient_accumulation_steps=2, ddp_timeout=1234),
+        "single": dict(COMMON, modules=MIXED, per_device_train_batch_size=8),
         "model": "tiny_model", "atol": 1e-5},
     # some ranks have no image (mixed_modality.STEPS): vision trained sharded, its entry point runs a dummy there
     "missing_modality": scenario(MISSING, model="mixed_model"),
     # accumulation: no image anywhere in a window's last micro-step, after one in its first; the forward drops 0
     # rows and returns a tuple (vision and projector reached through hf_omni's hook)
     "missing_modality_accumulation": {
-        "multi": dict(COMMON, modules=MISSING, per_device_train_batch_size=1, gradient_accumulation_steps=2),
+        "multi": dict(COMMON, modules=MISSING, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                      ddp_timeout=1234),
         "single": dict(COMMON, modules=MISSING, per_device_train_batch_size=4, gradient_accumulation_steps=2),
         "model": "dropping_model", "atol": 1e-5},
     # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones

@@ -86,3 +86,27 @@ def test_hsdp_checkpoint_resumes_at_two_ranks_full_shard_then_in_one_process(fou
     trainer.train(resume_from_checkpoint=str(two_ranks_resumed["_dir"] / "elastic" / "checkpoint-3"))
     assert step_losses(trainer) == pytest.approx(got["losses"], abs=1e-5)
     assert_state_close(got["state"], full_state(model), atol=1e-5)
+
+
+def test_accumulation_keeps_sharded_gradients_sharded(four_ranks):
+    """hsdp_accumulation (2 micro-steps a window): llm and projector (HSDP 2x2, `sync_each_batch` unset) hold their
+    half of the gradients after every micro-step; vision (full shard over 4, `sync_each_batch: false`) holds its
+    whole gradient inside the window and its quarter after the last micro-step. The losses equal one process without
+    accumulation (`test_four_ranks_on_per_module_meshes_equal_one_rank`)."""
+    facts = four_ranks["hsdp_accumulation"]["facts"]
+    held, full = facts["held_gradients"], {n: s["full_bytes"] for n, s in facts["sharding"].items()}
+    assert all(len(samples) == 8 for samples in held.values()), held  # 4 steps x 2 micro-steps
+    for name in ("llm", "projector"):
+        assert 0 < max(held[name]) <= 1.1 * full[name] / 2, (name, held[name], full[name])
+    inside, last = held["vision"][0::2], held["vision"][1::2]
+    assert min(inside) >= full["vision"], (inside, full["vision"])
+    assert 0 < max(last) <= 0.3 * full["vision"], (last, full["vision"])  # a quarter, tiny rows padded to 4
+
+
+def test_every_group_of_every_mesh_carries_ddp_timeout(four_ranks):
+    """ddp_timeout 1234 s: the default group, hf_omni's side group and each mesh dim's group (HSDP's replicate and
+    shard groups are new groups: without the timeout they would get gloo's 30 minutes)."""
+    for name in SCENARIOS:
+        timeouts = four_ranks[name]["facts"]["timeouts"]
+        assert set(timeouts.values()) == {1234.0}, (name, timeouts)
+    assert "llm.dp_replicate" in four_ranks["mixed_global_clip"]["facts"]["timeouts"]

@@ -28,8 +28,8 @@ _FATES: dict[str, tuple[str, str]] = {
     "adam_beta1": (HF_OMNI, "every module's Adam optimizer"),
     "adam_beta2": (HF_OMNI, "every module's Adam optimizer"),
     "adam_epsilon": (HF_OMNI, "every module's Adam optimizer"),
-    "gradient_accumulation_steps": (HONOURED, f"{_TRAINER} loop; the micro-steps run with every module's "
-                                              "gradient sync off"),
+    "gradient_accumulation_steps": (HONOURED, f"{_TRAINER} loop; inside a window each module syncs as its "
+                                              "`sync_each_batch` says (`fsdp`: every micro-step; `ddp`: the last)"),
     "average_tokens_across_devices": (HONOURED, "the token count reaches the loss through `forward(**kw)`"),
     "label_smoothing_factor": (HF_OMNI, "smoothed inside each module that computes a causal / masked LM loss, on "
                                         "the targets it uses (`label_smoothing.py`)"),

@@ -109,6 +109,10 @@ class ModuleArguments:
                                    "fields: {dp_shard_size: N} full shard (default: the world), {dp_replicate_size: "
                                    "R, dp_shard_size: S} HSDP; R x S = world size", nullable=True,
                                    check=check_parallelism)
+    sync_each_batch: bool | None = key(None, (bool,), "reduce its gradients on every micro-step of an accumulation "
+                                       "window (unset: true for `fsdp`, whose gradients stay sharded; false for "
+                                       "`ddp`, which all-reduces once at the window's last)", nullable=True,
+                                       top_level=None)
     ddp_find_unused_parameters: bool | None = key(
         None, (bool,), "`parallel: ddp`: DDP's find_unused_parameters (unset: true unless activation checkpointing, "
         "as Trainer)", nullable=True)

@@ -177,7 +177,8 @@ class OmniTrainingArguments(TrainingArguments):
             for key in ("lr_scheduler_kwargs", "fsdp_plugin", "activation_checkpointing_kwargs"):
                 values[key] = values[key] or {}
             values["max_grad_norm"] = values["max_grad_norm"] or 0.0
-            values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id", "offline_encoder")})
+            values.update({k: overlay.get(k) for k in ("push_to_hub", "hub_model_id", "offline_encoder",
+                                                       "sync_each_batch")})  # per-module only
             if self.fsdp_scope == "model":  # the composed model is wrapped once, every module inside it
                 values["parallel"] = "fsdp"
             trainable = overlay.get("trainable", True)

@@ -128,3 +128,34 @@ def scheduler_step_count(scheduler) -> int:
 def set_scheduler_step_count(scheduler, count: int) -> None:
     """Set `LRScheduler._step_count` (a scheduler whose constructor did not run starts at 1, as torch's leaves it)."""
     scheduler._step_count = count
+
+
+def group_options(device_type: str, timeout_s: float):
+    """(backend, options carrying `timeout_s`) for a new group serving `device_type` (`init_device_mesh`'s
+    `backend_override`): gloo on the CPU, NCCL on CUDA; None elsewhere (those groups keep their backend's default)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if device_type == "cpu":
+        backend, options = "gloo", resolve("torch.distributed.ProcessGroupGloo._Options")()
+    elif device_type == "cuda" and dist.is_nccl_available():
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return backend, options
+
+
+def group_timeout(group, device_type: str):
+    """The timeout of `group`'s backend for `device_type` (a `datetime.timedelta`)."""
+    import torch
+
+    return group._get_backend(torch.device(device_type)).options._timeout
+
+
+def set_group_timeout(group, timeout_s: float) -> None:
+    """Give an existing group (the default one) the timeout `timeout_s`."""
+    import datetime
+
+    resolve("torch.distributed.distributed_c10d._set_pg_timeout")(datetime.timedelta(seconds=timeout_s), group)

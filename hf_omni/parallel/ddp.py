@@ -57,8 +57,10 @@ class DdpStrategy(Strategy):
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:
+        """Skipped inside a window unless the module's `sync_each_batch` is true (then it all-reduces every
+        micro-step: whole gradients either way, so syncing late only saves the collectives)."""
         for root in run_roots(self.module):
-            root.set_requires_gradient_sync(enabled)
+            root.set_requires_gradient_sync(enabled or self.sync_each_batch)
         if self.loose is not None:
             self.loose.syncing = enabled
 

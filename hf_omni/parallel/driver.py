@@ -70,9 +70,11 @@ def plan(slot: ModuleSlot, fsdp_scope: str) -> str:
     return margs.parallel if slot.trains or (margs.parallel_from_module and margs.strategy.shards) else "none"
 
 
-def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict | None = None) -> Prepared:
+def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict | None = None,
+                    timeout_s: float | None = None) -> Prepared:
     """Place, wrap and (for `empty_init` modules) read every module that is not offline; each slot ends wrapped.
-    `model_settings`: the top-level `fsdp_plugin` (`fsdp_scope: model`: the one wrap of the composed model)."""
+    `model_settings`: the top-level `fsdp_plugin` (`fsdp_scope: model`: the one wrap of the composed model);
+    `timeout_s`: the timeout of the groups the modules' meshes make (`ddp_timeout`)."""
     device = accelerator.device
     model.sync_parts()  # an adopted model: submodules PEFT replaced, into the released model
     live = [slot for slot in model.slots.values() if not slot.is_released]  # offline: on meta for good
@@ -85,7 +87,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
               if STRATEGIES[kinds[slot.name]].takes_mesh and not scoped}  # every mesh error before anything is placed
     if scoped and live:  # the top-level parallelism (every module's)
         shapes[MODEL_SCOPE] = mesh_shape(None, live[0].args.parallelism, world_size())
-    meshes = Meshes(device.type)
+    meshes = Meshes(device.type, timeout_s)
     shard_later = {slot.name: slot.weights for slot in live  # strategies that shard: on meta, then each its share
                    if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
     for slot in live:  # empty_init, not sharded: read whole
@@ -113,6 +115,8 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
         for slot in apply_order(live, kinds):  # adopted models: carved-out modules first
             mesh = meshes.get(shapes[slot.name]) if slot.name in shapes else None
             strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later)
+            if slot.args.sync_each_batch is not None:
+                strategy.sync_each_batch = slot.args.sync_each_batch
             strategy.apply(slot.module, device)
             keep_output_recording(slot.module)  # transformers' output hooks, under the wrapped class names too
             slot.wrapped(strategy)

@@ -35,7 +35,7 @@ class FsdpStrategy(Strategy):
     description = "FSDP2 per module (full shard, or HSDP on a 2-D mesh), with its own Accelerate plugin"
     settings_class = FsdpSettings
     settings_key = "fsdp_plugin"
-    collective = shards = takes_mesh = True
+    collective = shards = takes_mesh = sync_each_batch = True
 
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):
@@ -80,10 +80,16 @@ class FsdpStrategy(Strategy):
         self.module = module
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """`reshard_after_backward: false` also keeps the units gathered inside the window; the last micro-step
-        reshards them."""
+        """Inside a window: with `sync_each_batch` (the default) every micro-step still reduce-scatters, so each rank
+        holds its shard of the gradients only (HSDP: the all-reduce across replicas waits for the window's last);
+        without it, each rank holds every unit's whole gradient until the last micro-step. `reshard_after_backward:
+        false` also keeps the units gathered inside the window; the last micro-step reshards them."""
         for unit in run_roots(self.module):
-            unit.set_requires_gradient_sync(enabled)
+            if self.sync_each_batch:
+                unit.set_requires_gradient_sync(True)
+                unit.set_requires_all_reduce(enabled)  # a 1-D mesh has no all-reduce: nothing changes
+            else:
+                unit.set_requires_gradient_sync(enabled)
             if not self.settings.reshard_after_backward:
                 unit.set_reshard_after_backward(enabled)
         if self.loose is not None:

@@ -9,6 +9,7 @@ Meshes are built once per distinct shape, on every rank in the same order, and s
 
 from __future__ import annotations
 
+from ..compat import group_options
 from ..errors import OmniArgumentError
 
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
@@ -44,10 +45,13 @@ def mesh_shape(module: str, value: dict | None, world: int) -> tuple[int, ...]:
 
 
 class Meshes:
-    """One `DeviceMesh` per distinct shape, built on first use (every rank asks in the same module order)."""
+    """One `DeviceMesh` per distinct shape, built on first use (every rank asks in the same module order). The groups
+    a mesh makes (HSDP's replicate and shard groups) carry `timeout_s` (`ddp_timeout`), not the backend's default
+    (NCCL: 10 min, gloo: 30 min); a 1-D mesh is the default group itself, whose timeout is set where it is made
+    (Trainer: `ddp_timeout`; a custom loop: Accelerate's `InitProcessGroupKwargs(timeout=...)`)."""
 
-    def __init__(self, device_type: str):
-        self.device_type = device_type
+    def __init__(self, device_type: str, timeout_s: float | None = None):
+        self.device_type, self.timeout_s = device_type, timeout_s
         self.by_shape: dict[tuple[int, ...], object] = {}
 
     def get(self, shape: tuple[int, ...]):
@@ -55,5 +59,7 @@ class Meshes:
 
         if shape not in self.by_shape:
             names = DIM_NAMES[-len(shape):]
-            self.by_shape[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            override = group_options(self.device_type, self.timeout_s) if self.timeout_s and len(shape) > 1 else None
+            kwargs = {"backend_override": dict.fromkeys(range(len(shape)), override)} if override else {}
+            self.by_shape[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names, **kwargs)
         return self.by_shape[shape]

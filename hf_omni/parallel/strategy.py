@@ -65,6 +65,7 @@ class Strategy:
     collective = False  # its forward / backward runs collectives that every rank must enter
     shards = False  # its tensors are this rank's shares (DTensors): an `empty_init` module is read after `apply`
     takes_mesh = False  # `parallelism` gives it a device mesh (`mesh_shape`)
+    sync_each_batch = False  # reduces gradients on every micro-step of a window (a module's `sync_each_batch` key)
 
     def __init__(self, module_name: str = "", settings=None, mesh=None):
         self.module_name, self.settings, self.mesh = module_name, settings, mesh
@@ -115,7 +116,8 @@ class Strategy:
         """Called once every `empty_init` module was read into its shares (a sharding strategy's deferred init)."""
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """Off inside a gradient-accumulation window; on for its last micro-step."""
+        """Off inside a gradient-accumulation window; on for its last micro-step. A strategy whose
+        `sync_each_batch` is true still reduces inside the window what keeps its gradients sharded."""
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """`module`'s full state dict (every rank calls this; a sharded one is gathered to rank 0 only, the other

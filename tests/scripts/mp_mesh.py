@@ -13,9 +13,12 @@ import torch
 import torch.distributed as dist
 from helpers import full_state
 from mesh_scenarios import ELASTIC, SCENARIOS, build
+from held_gradients import sample_after_backward
 from mp_scenarios import sharding_facts
 
 from hf_omni import OmniTrainer
+from hf_omni.compat import group_timeout
+from hf_omni.dist import checkpoint_group
 from launching import end_distributed
 
 
@@ -31,12 +34,22 @@ def elastic(out_dir: str, checkpoint: str):
                    os.path.join(out_dir, "elastic.pt"))
 
 
+def group_timeouts(meshes) -> dict:
+    """Seconds of timeout of every group this rank is in: the default one, hf_omni's side groups, each mesh's."""
+    seconds = {"world": group_timeout(dist.group.WORLD, "cpu"), "side": group_timeout(checkpoint_group(), "cpu")}
+    for name, mesh in meshes.items():
+        for dim in mesh.mesh_dim_names:
+            seconds[f"{name}.{dim}"] = group_timeout(mesh.get_group(dim), "cpu")
+    return {key: value.total_seconds() for key, value in seconds.items()}
+
+
 def main(out_dir: str):
     os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
     for name, spec in SCENARIOS.items():
         model, data, collator = build(spec)
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
         trainer = OmniTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+        held = sample_after_backward(trainer, model.omni_modules())
         trainer.train()
         meshes = trainer.plugin.meshes
         facts = {
@@ -48,6 +61,8 @@ def main(out_dir: str):
                        for n, m in meshes.items()},  # rank 0's group along each mesh dim
             "placements": {n: str(next(getattr(model, n, model).parameters()).placements) for n in meshes},
             "sharding": sharding_facts(model),
+            "held_gradients": held,  # bytes after each micro-step's backward, per module
+            "timeouts": group_timeouts(meshes),
         }
         state = full_state(model)
         if dist.get_rank() == 0:
