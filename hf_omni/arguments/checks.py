@@ -26,3 +26,24 @@ def check_before_compute(model, module_args: dict, args) -> None:
     check_checkpointed_modules(model, module_args)
     check_lora_components(model, {n: m.lora for n, m in module_args.items() if m.trainable and m.lora_from_module})
     check_offline_modules(model, list(args.offline_modules or []))
+
+
+def check_ignored_modules(slots: dict) -> None:
+    """After freezing and LoRA, before any wrap or compute: FSDP leaves `fsdp_plugin.ignored_modules` unsharded and
+    never reduces their gradients, so a submodule there with a parameter that trains would be stepped by each rank
+    on its own gradient (the replicas diverge) and crash the first clip (plain tensors beside DTensors): refused,
+    naming the module, the key and the parameters. Frozen submodules (a frozen tower's, a LoRA base's) may be
+    ignored."""
+    from ..compat import fsdp_ignored_params
+
+    for name, slot in slots.items():
+        ignored = getattr(slot.settings, "ignored_modules", None)
+        if ignored is None or slot.args is None or slot.args.parallel != "fsdp":
+            continue
+        params = fsdp_ignored_params(ignored, slot.module, None)
+        trained = [n for n, p in slot.module.named_parameters() if p.requires_grad and p in params]
+        if trained:
+            raise OmniArgumentError(name, "fsdp_plugin.ignored_modules", f"{ignored!r} holds parameters that train "
+                                    f"({', '.join(trained[:3])}{', ...' if len(trained) > 3 else ''}): FSDP never "
+                                    "reduces an ignored module's gradients, so each rank would step its own copy. "
+                                    "Freeze those submodules, or leave them out of ignored_modules")
