@@ -4,7 +4,8 @@ source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a ti
 serves: `shards.device.on_group_device`).
 
 Every rank joins every gather of every group, whatever fails on its own between them: a rank-local step (a cast,
-the conversion) that fails goes to `failed`, and the rank goes on joining the gathers; its error is raised once
+the conversion) that fails goes to `failed` (raised at once where no other rank waits: no process group, or a
+module written by one process), and the rank goes on joining the gathers; its error is raised once
 every rank has joined every collective (`folder_write`), into the agreement that follows the write, where every
 rank raises it. A rank that raised at once would wait in that agreement while the others wait in its next gather.
 """
@@ -108,12 +109,16 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
             try:
                 full = full.to("cpu", dtypes.get(source, full.dtype))
                 state.update((key, full) for key in plan.aliases[source])
-            except Exception as err:  # noqa: BLE001 - raised once every rank has joined every gather
+            except Exception as err:
+                if solo or not has_process_group():  # no other rank waits
+                    raise
                 failed.append(err)
     if writer != rank or not state or failed:
         return None
     try:
         return (weights_keys if kind == WEIGHTS else adapter_state_dict)(module, state)
-    except Exception as err:  # noqa: BLE001 - raised once every rank has joined every gather
+    except Exception as err:
+        if solo or not has_process_group():  # no other rank waits
+            raise
         failed.append(err)
         return None

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from ..dist import is_main
+from ..dist import has_process_group, is_main
 from ..formats.interface import index_names
 from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
@@ -108,7 +108,9 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
         if spec is not None and not failed:
             try:
                 values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
-            except Exception as err:  # noqa: BLE001 - raised once every rank has joined every collective
+            except Exception as err:
+                if solo or not has_process_group():  # no other rank waits
+                    raise
                 failed.append(err)
         if failed:
             continue
