@@ -89,8 +89,8 @@ def row_merge_plan(module: nn.Module) -> dict[str, RowMerge] | None:
 
 
 def full(tensor) -> torch.Tensor:
-    """A (small) tensor whole on every rank: lora_A, r rows (gathered on the device its group serves, and back
-    where its shards live: `shards.device.on_group_device`)."""
+    """A (small) tensor whole on every rank: lora_A, r rows, or an adapter of a diffusers LoRA file (gathered on
+    the device its group serves, and back where its shards live: `shards.device.on_group_device`)."""
     return on_group_device(lambda t: t.full_tensor(), tensor) if hasattr(tensor, "full_tensor") else tensor
 
 
