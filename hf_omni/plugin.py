@@ -162,7 +162,7 @@ class OmniPlugin:
         if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
-        check_ignored_modules(model.slots)
+        check_ignored_modules(model, self.args)
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,
                                                          model_settings=self.args.fsdp_plugin)

@@ -271,7 +271,11 @@ def test_a_trainable_submodule_in_fsdp_ignored_modules_is_refused_at_prepare(tra
     if not trainable:
         plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
         return
-    with pytest.raises(ValueError, match=r"^modules\.llm\.fsdp_plugin\.ignored_modules: 'model\\\\.layers\\\\.0\\\\.mlp' "
+    with pytest.raises(ValueError, match=r"^fsdp_plugin\.ignored_modules: 'llm\\\.model\\\.layers\\\.0\\\.mlp' holds "
+                       r"parameters that train \(llm\.model\.layers\.0\.mlp\.\w+\.weight"):  # one wrap of the model
+        OmniPlugin(defaults={"learning_rate": 1e-3, "fsdp_scope": "model", "fsdp_plugin": {
+            "ignored_modules": r"llm\.model\.layers\.0\.mlp"}}).prepare(Accelerator(cpu=True), tiny_model(), 2)
+    with pytest.raises(ValueError, match=r"^modules\.llm\.fsdp_plugin\.ignored_modules: 'model\\\.layers\\\.0\\\.mlp' "
                        r"holds parameters that train \(model\.layers\.0\.mlp\.\w+\.weight"):
         plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
     assert plugin.prepared is None and not any(p.grad is not None for p in model.parameters())
