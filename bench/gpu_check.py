@@ -1,7 +1,7 @@
 """The GPU checklist: ordered checks of what only a CUDA / NCCL machine proves, one PASS / FAIL line each.
 
-    torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-7 (world 1: modules wrapped)
-    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 9, 10
+    torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-9 (world 1: modules wrapped)
+    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 11, 12
     torchrun --nproc_per_node 4 bench/gpu_check.py --only hsdp    # HSDP needs 4 ranks;  --list: the checks, not run
 
 A line: status, check, seconds, its figure. `PASS` / `FAIL` on CUDA; `PASS (cpu)` / `FAIL (cpu)` when it ran on
@@ -9,7 +9,7 @@ CPU / gloo (the same code, not the CUDA proof); `NEEDS DEVICE` when it needs CUD
 running: torch refuses CPU offload without an accelerator), and why. A check that raises is a FAIL with the
 error's first line (its traceback on stderr) and the rest still run; a check past 4x its time budget (20x on
 CPU) is called hung and the script exits 1. Last line: `N passed, M failed, K need a device`; exit status 1 when
-any check failed. The 1-GPU list takes under 8 minutes. Every check trains the demo (`hf_omni.testing.digits`)
+any check failed. The 1-GPU list takes under 10 minutes. Every check trains the demo (`hf_omni.testing.digits`)
 a few steps, each rank its share of a global batch of 32 (a 2-rank run sees the data one process does). The
 registry, the rank agreement, the watchdog and the summary are bench/checklist.py.
 """
@@ -321,6 +321,80 @@ def memory_vs_profile():
     return (well_formed and total <= peak,
             f"peak {peak / 2**20:.1f} MiB (above what was held before) / table {total / 2**20:.1f} MiB = "
             f"{peak / max(total, 1):.2f} (want >= 1, about < 3 with activations); table MiB: {rows}")
+
+
+def offload_refused(err: RuntimeError):
+    """On CPU, torch may refuse an offloaded module (pinned memory needs an accelerator): NEEDS DEVICE."""
+    if CUDA or "accelerator" not in str(err):
+        raise err
+    return None, f"cpu_offload refused on CPU by torch ({str(err).splitlines()[0]})"
+
+
+@check(40, "the same code under gloo; on CPU the group's device is the CPU, where the shards are")
+def offload_merged_lora_export():
+    """An offloaded LLM with LoRA (CPU shards, NCCL group on cuda): `save_pretrained(merge_lora=True)` gathers
+    lora_A whole on every rank (`full_tensor`) on the group's device; the export equals PEFT's own merge."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_omni.lora.adapters import merged_module
+
+    modules = copy.deepcopy(FP32)
+    modules["llm"].update(fsdp_plugin={"cpu_offload": True}, lora={"r": 4, "lora_alpha": 8,
+                                                                   "target_modules": ["q_proj", "v_proj"]})
+    try:
+        trainer = trainer_for(build_model(), modules, 2, "offload_lora")
+    except RuntimeError as err:
+        return offload_refused(err)
+    model, folder = trainer.model, f"{ROOT}/offload_lora/export"
+    shards = {local(p).device.type for p in model.llm.parameters()}
+    model.save_pretrained(folder, merge_lora=True)  # every rank: its rows, lora_A gathered on the group's device
+    state = model.slots["llm"].full_state()  # every rank joins
+    if RANK != 0:
+        return True, f"rank {RANK}: exported (rank 0 compares)"
+    expected = merged_module(model.llm, state).state_dict()
+    written = AutoModelForCausalLM.from_pretrained(f"{folder}/llm").state_dict()
+    worst = max((written[k].float() - expected[k].float().cpu()).abs().max().item() for k in written)
+    ok = sorted(written) == sorted(expected) and worst <= 1e-6 and (shards == {"cpu"} or not CUDA)
+    return ok, (f"merged export of the offloaded llm (shards on {'/'.join(sorted(shards))}) vs PEFT's merge: "
+                f"{len(written)} tensors, keys {'equal' if sorted(written) == sorted(expected) else 'DIFFER'}, "
+                f"max abs diff {worst:.1e} (tol 1e-6)")
+
+
+@check(40, "the same code under gloo; on CPU the group's device is the CPU, where the shards are")
+def offload_fused_moe_save():
+    """An offloaded Mixtral (experts fused in memory, one file tensor per expert): each derived group is gathered
+    (`dist.gather`) on its writer on the group's device; the saved folder loads back bitwise."""
+    from accelerate import Accelerator
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hf_omni import OmniPlugin
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    llm = MixtralForCausalLM(config)
+    reference = {k: v.detach().clone() for k, v in llm.state_dict().items()}
+    plugin = OmniPlugin(modules={"llm": {"parallel": "fsdp", "fsdp_plugin": {"cpu_offload": True}}},
+                        defaults={"learning_rate": 1e-3}, output_dir=f"{ROOT}/offload_moe")
+    try:
+        model, _, _ = plugin.prepare(Accelerator(cpu=not CUDA), OmniModel.from_modules({"llm": llm}), 2)
+    except RuntimeError as err:
+        plugin.close()
+        return offload_refused(err)
+    try:
+        shards = {local(p).device.type for p in model.llm.parameters()}
+        folder = f"{ROOT}/offload_moe/export"
+        model.save_pretrained(folder)  # every rank: its rows; the experts' groups gathered on their writers
+        if RANK != 0:
+            return True, f"rank {RANK}: saved (rank 0 compares)"
+        loaded = MixtralForCausalLM.from_pretrained(f"{folder}/llm").state_dict()
+        equal = sorted(loaded) == sorted(reference) and all(torch.equal(loaded[k], reference[k]) for k in loaded)
+        experts = sum(".experts." in k for k in loaded)
+        return equal and experts > 0 and (shards == {"cpu"} or not CUDA), (
+            f"offloaded Mixtral (shards on {'/'.join(sorted(shards))}) saved and loaded back: {len(loaded)} "
+            f"tensors ({experts} fused expert tensors), {'bitwise equal' if equal else 'DIFFERENT'}")
+    finally:
+        plugin.close()
 
 
 @check(40, "4 gloo ranks, launched with --nproc_per_node 4", needs=("4 ranks",))

@@ -253,3 +253,29 @@ def test_bad_checkpoint_folders_are_refused_before_anything(tmp_path, checkpoint
         resume(tmp_path, folder)
     after = {k: v for k, v in snapshot(tmp_path).items() if "/run/" not in k}
     assert after == {k: v for k, v in before.items() if "/run/" not in k}  # the checkpoint is left as it was
+
+
+# -- model-time: a trainable submodule FSDP would leave unreduced --------------------------------------------
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_trainable_submodule_in_fsdp_ignored_modules_is_refused_at_prepare(trainable):
+    """FSDP never reduces an ignored submodule's gradients (each rank would step its own copy, and the first clip
+    mixes plain tensors with DTensors): one that trains is refused at prepare, before anything is wrapped or
+    computed, naming the module, the key and its parameters; a frozen one is accepted."""
+    from accelerate import Accelerator
+
+    from hf_omni import OmniPlugin
+
+    model = tiny_model()
+    llm = {"parallel": "fsdp", "trainable": trainable, "fsdp_plugin": {"ignored_modules": r"model\.layers\.0\.mlp"}}
+    plugin = OmniPlugin(modules={"llm": llm}, defaults={"learning_rate": 1e-3})
+    if not trainable:
+        plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
+        return
+    with pytest.raises(ValueError, match=r"^fsdp_plugin\.ignored_modules: 'llm\\\.model\\\.layers\\\.0\\\.mlp' holds "
+                       r"parameters that train \(llm\.model\.layers\.0\.mlp\.\w+\.weight"):  # one wrap of the model
+        OmniPlugin(defaults={"learning_rate": 1e-3, "fsdp_scope": "model", "fsdp_plugin": {
+            "ignored_modules": r"llm\.model\.layers\.0\.mlp"}}).prepare(Accelerator(cpu=True), tiny_model(), 2)
+    with pytest.raises(ValueError, match=r"^modules\.llm\.fsdp_plugin\.ignored_modules: 'model\\\.layers\\\.0\\\.mlp' "
+                       r"holds parameters that train \(model\.layers\.0\.mlp\.\w+\.weight"):
+        plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
+    assert plugin.prepared is None and not any(p.grad is not None for p in model.parameters())

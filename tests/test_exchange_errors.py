@@ -1,6 +1,8 @@
 """An entry point's inputs wrong on one rank (tests/scripts/mp_exchange.py, 2 plain processes, no launcher): the
 error travels in the exchange's own all-gather, so both ranks raise the same error naming the module and the rank
-within seconds, instead of one rank raising alone and the other waiting in a collective; an entry point with ragged
+within seconds, instead of one rank raising alone and the other waiting in a collective — inputs wrong in
+forward's arguments (the exchange before forward), an entry point called unlike those arguments (its call's
+agreement), a forward one rank cannot bind; an entry point with ragged
 outputs (no dummy from one row) given inputs on one rank only: both raise the same error naming the fix."""
 
 import os
@@ -15,6 +17,9 @@ ON_RANK_1 = "(on rank 1; every rank raises this)"
 CASES = {
     "partial": (r"ValueError: module 'vision': encode got ['pixel_values'] but None for ['mask']", ON_RANK_1),
     "not_a_tensor": ("ValueError: module 'vision': 'mask' of encode must be a tensor of 1 to 8 dims", ON_RANK_1),
+    "not_as_planned": ("ValueError: module 'vision': encode was called on this rank with ['pixel_values'] of its "
+                       "inputs ['pixel_values', 'mask'], unlike forward's arguments", ON_RANK_1),
+    "unbound": ("ValueError: Tower.forward: got an unexpected keyword argument 'sound'", ON_RANK_1),
     "ragged": ("ValueError: module 'vision': encode returns ragged outputs", "serve the module from its offline cache"),
 }
 
@@ -52,8 +57,9 @@ def test_a_ragged_entry_point_with_inputs_on_every_rank_runs(tmp_path):
 
 def test_two_towers_taking_forwards_arguments_exchange_once_per_forward(tmp_path):
     """Sound missing on rank 1 at the second step: its audio tower runs on a dummy, and each forward made one
-    all-gather of metadata for both towers (the donor's row is a broadcast)."""
+    all-gather of metadata for both towers, then one agreement (one integer per rank) at each tower's call: 3 in
+    all (the donor's row is a broadcast)."""
     first, second = (text.splitlines() for text in run_two("two_towers", tmp_path))
-    assert first[0] == second[0] and first[0].startswith("gathers [1, 1, 1] grads"), (first, second)
+    assert first[0] == second[0] and first[0].startswith("gathers [3, 3, 3] grads"), (first, second)
     # ddp: every buffer rank 0's once wrapped; before each forward only the state (BatchNorm's statistics)
     assert (first[1], second[1]) == ("derived [0.0, 0.0] then [5.0, 5.0]", "derived [0.0, 0.0] then [6.0, 6.0]")

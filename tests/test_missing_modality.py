@@ -78,7 +78,12 @@ def stub_exchange(model, monkeypatch) -> dict:
         exchange["calls"] += 1
         return shared
 
+    def agree(problem=None):  # a planned call's agreement: every rank went as planned, or all raise
+        if problem is not None:
+            raise ValueError(f"{problem} (on rank 0; every rank raises this)")
+
     monkeypatch.setattr(exchange_module, "share_inputs", share_inputs)
+    monkeypatch.setattr(exchange_module, "agree", agree)
     monkeypatch.setattr(exchange_module, "broadcast_row", lambda donors, rank, inputs, prepared: None if rank is None
                         else {c: (inputs[c][:1] if rank == 0 else ROW[c]) for c in inputs})
     return exchange

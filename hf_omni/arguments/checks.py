@@ -26,3 +26,33 @@ def check_before_compute(model, module_args: dict, args) -> None:
     check_checkpointed_modules(model, module_args)
     check_lora_components(model, {n: m.lora for n, m in module_args.items() if m.trainable and m.lora_from_module})
     check_offline_modules(model, list(args.offline_modules or []))
+
+
+def check_ignored_modules(model, args) -> None:
+    """After freezing and LoRA, before any wrap or compute: FSDP leaves `fsdp_plugin.ignored_modules` unsharded and
+    never reduces their gradients, so a submodule there with a parameter that trains would be stepped by each rank
+    on its own gradient (the replicas diverge) and crash the first clip (plain tensors beside DTensors): refused,
+    naming the module (none under `fsdp_scope: model`, whose one plugin is the top level's), the key and the
+    parameters. Frozen submodules (a frozen tower's, a LoRA base's) may be ignored."""
+    if args.fsdp_scope == "model":
+        ignored = args.fsdp_plugin.get("ignored_modules") if isinstance(args.fsdp_plugin, dict) else None
+        refuse_trained(None, model, ignored)
+        return
+    for name, slot in model.slots.items():
+        if slot.args is not None and slot.args.parallel == "fsdp":
+            refuse_trained(name, slot.module, getattr(slot.settings, "ignored_modules", None))
+
+
+def refuse_trained(name: str | None, module, ignored) -> None:
+    from ..compat import fsdp_ignored_params
+
+    if ignored is None:
+        return
+    params = fsdp_ignored_params(ignored, module, None)
+    trained = [n for n, p in module.named_parameters() if p.requires_grad and p in params]
+    if trained:
+        shown = f"'{ignored}'" if isinstance(ignored, str) else repr(ignored)
+        raise OmniArgumentError(name, "fsdp_plugin.ignored_modules", f"{shown} holds parameters that train "
+                                f"({', '.join(trained[:3])}{', ...' if len(trained) > 3 else ''}): FSDP never "
+                                "reduces an ignored module's gradients, so each rank would step its own copy. "
+                                "Freeze those submodules, or leave them out of ignored_modules")

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import OmniArgumentError
 from ..lora.adapters import lora_config_of
+from ..lora.merge import full
 from .index import is_pipeline, pipeline_class
 
 LAYERS = "lora_layers"  # save_lora_weights' arguments: <component>_lora_layers
@@ -42,7 +43,7 @@ def adapter_state(slot) -> dict[str, torch.Tensor]:
     """The module's adapter tensors, whole (sharded ones gathered: every rank calls this), in the dtype loaded."""
     from peft import get_peft_model_state_dict
 
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v
+    state = {k: full(v) if isinstance(v, DTensor) else v  # gathered on the device its group serves (offload)
              for k, v in slot.module.state_dict().items() if ".lora_" in k}
     if slot.precision is not None:
         state = slot.precision.export(state)

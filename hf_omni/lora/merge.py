@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..shards.box import local_of, local_rows, sharded_off_rows
+from ..shards.device import on_group_device
 from .adapters import lora_config_of
 
 
@@ -88,8 +89,9 @@ def row_merge_plan(module: nn.Module) -> dict[str, RowMerge] | None:
 
 
 def full(tensor) -> torch.Tensor:
-    """A (small) tensor whole on every rank: lora_A, r rows."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """A (small) tensor whole on every rank: lora_A, r rows, or an adapter of a diffusers LoRA file (gathered on
+    the device its group serves, and back where its shards live: `shards.device.on_group_device`)."""
+    return on_group_device(lambda t: t.full_tensor(), tensor) if hasattr(tensor, "full_tensor") else tensor
 
 
 def rows_of(tensor, lo: int, hi: int) -> torch.Tensor:

@@ -8,8 +8,12 @@ Who writes which bytes of a tensor written as is:
 - held whole by every rank (DDP, frozen, no process group): its rows are split over the ranks, a small one
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
-A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first
-replica, from its source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time). Rank 0
+A derived group (MoE experts split on save) is converted by one rank from its source tensors gathered there
+(`folder_derived`). Every collective here (gathers, redistributions, LoRA's whole `lora_A`) runs on the device the
+tensors' group serves (`shards.device.on_group_device`: an offloaded module's CPU shards go to the accelerator and
+back). A rank-local step between two collectives that fails (a merge, a cast, a conversion, an OSError) does not
+stop this rank from joining the collectives that follow: its error is raised once every rank has joined them all,
+into the agreement after the write. Rank 0
 writes the headers, the index, config.json (the dtype the module exports in), the generation config, the processor
 and the adapter config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a
 time (a derived group: its tensors; a tensor sharded off dim 0: also its dim-0 shard, one tensor at a time when
@@ -23,16 +27,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..dist import has_process_group, is_main
 from ..formats.interface import index_names
 from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
+from .folder_derived import derived_tensors, rank_world, replica, sharded
 from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
-from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
+from .folder_plan import FolderPlan
 from .tensor_layout import module_tensors
 
 SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank
@@ -46,39 +50,15 @@ def remove_weight_files(folder: str) -> None:
                 os.remove(os.path.join(folder, name))
 
 
-def _rank_world(solo: bool = False) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (dist.get_rank(), dist.get_world_size()) if has_process_group() and not solo else (0, 1)
-
-
-def _replica(tensor) -> tuple[int, int]:
-    """(this rank's replica index, replica count) over the mesh dimensions where `tensor` is replicated."""
-    from torch.distributed.tensor import Replicate
-
-    index, count = 0, 1
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            index, count = index * tensor.device_mesh.size(dim) + tensor.device_mesh.get_local_rank(dim), \
-                count * tensor.device_mesh.size(dim)
-    return index, count
-
-
 def _chunk(start: int, stop: int, index: int, count: int) -> tuple[int, int]:
     size = -(-(stop - start) // count) if stop > start else 0
     lo = min(start + index * size, stop)
     return lo, min(lo + size, stop)
 
 
-def _sharded(tensor) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return hasattr(tensor, "placements") and any(isinstance(p, Shard) for p in tensor.placements)
-
-
 def has_shards(module: nn.Module) -> bool:
     """Whether any of `module`'s tensors is sharded (then every rank takes part in writing it)."""
-    return any(_sharded(t) for t in module_tensors(module).values())
+    return any(sharded(t) for t in module_tensors(module).values())
 
 
 def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool = False
@@ -88,12 +68,12 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
     A `buffer` not sharded is rank 0's (BatchNorm statistics may differ between ranks: a checkpoint holds rank 0's).
     A tensor sharded off dim 0 is redistributed to dim-0 shards first (`as_rows`: every rank of its mesh calls this
     for it, in plan order)."""
-    rank, world = _rank_world(solo)
+    rank, world = rank_world(solo)
     rows = tensor.shape[0] if tensor.ndim else 1
-    if _sharded(tensor):
+    if sharded(tensor):
         tensor = as_rows(tensor)
         start, stop = local_rows(tensor)
-        lo, hi = _chunk(start, stop, *_replica(tensor))
+        lo, hi = _chunk(start, stop, *replica(tensor))
         return (lo, hi, tensor.to_local(), start) if hi > lo else None
     local = local_of(tensor)
     if buffer:
@@ -104,74 +84,13 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
     return (lo, hi, local, 0) if hi > lo else None
 
 
-def gather_to(tensor, writer: int):
-    """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
-    group only (a shard on another dim redistributed to dim 0 first, over that group: `as_rows`); a whole one is
-    the writer's own."""
-    import torch.distributed as dist
-
-    if not _sharded(tensor):
-        local = local_of(tensor)
-        return local if _rank_world()[0] == writer else None
-    from torch.distributed.tensor import Shard
-
-    tensor = as_rows(tensor)
-    mesh = tensor.device_mesh
-    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
-    group = mesh.get_group(dim)
-    count = mesh.size(dim)
-    chunk = -(-tensor.shape[0] // count)
-    local = tensor.to_local()
-    padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-    padded[:local.shape[0]].copy_(local)
-    parts = [torch.empty_like(padded) for _ in range(count)] if dist.get_rank() == writer else None
-    dist.gather(padded, parts, dst=writer, group=group)
-    return torch.cat(parts)[:tensor.shape[0]] if parts is not None else None
-
-
-def first_replica_ranks(tensor) -> list[int] | None:
-    """The ranks of the first replica's shard group of a sharded tensor, when this rank is in it (else None)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import Shard
-
-    if _replica(tensor)[0] != 0:
-        return None
-    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
-    return dist.get_process_group_ranks(tensor.device_mesh.get_group(dim))
-
-
-def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dict, solo: bool = False) -> dict | None:
-    """Group `index` converted on its writer (the keys it derives, as tensors); None on the other ranks. Every rank
-    of the first replica joins the gathers."""
-    kind, sources = plan.groups[index]
-    tensors = module_tensors(module)
-    rank, world = _rank_world(solo)
-    state, writer = {}, None
-    for source in sources:
-        tensor = tensors[source]
-        if _sharded(tensor):
-            ranks = first_replica_ranks(tensor)
-            if ranks is None:
-                continue
-            writer = ranks[index % len(ranks)]
-        else:
-            writer = index % world
-        full = gather_to(tensor, writer)
-        if full is not None:
-            full = full.to("cpu", dtypes.get(source, full.dtype))
-            state.update((key, full) for key in plan.aliases[source])
-    if writer != rank or not state:
-        return None
-    convert = weights_keys if kind == WEIGHTS else adapter_state_dict
-    return convert(module, state)
-
-
 def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo: bool, merge: dict | None,
           buffers: set, files, failed: list) -> list:
     """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
     each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
     tensor redistributed off dim 0 is written to `files` at once (a save without pipeline) and let go; an OSError
-    there goes to `failed`, raised once every rank has joined every collective."""
+    there, and any error of a rank-local step (a merge, a derived group's conversion), goes to `failed`, raised once
+    every rank has joined every collective."""
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
     jobs = []  # (file, offset, local tensor rows, dtype)
     for number, entry in enumerate(plan.entries):
@@ -186,8 +105,15 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
         lo, hi, local, first = share
         row_bytes = entry.nbytes // max(source.shape[0] if entry.shape else 1, 1)
         values = local[lo - first:hi - first] if local.ndim else local
-        if spec is not None:
-            values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
+        if spec is not None and not failed:
+            try:
+                values = merged_rows(values, lo, hi, spec, {**tensors, **rowed}, lora_a)
+            except Exception as err:
+                if solo or not has_process_group():  # no other rank waits
+                    raise
+                failed.append(err)
+        if failed:
+            continue
         job = (entry.file, entry.offset + lo * row_bytes, values, entry.dtype)
         if not values.numel():
             continue
@@ -199,7 +125,7 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
             except OSError as err:  # raised once every rank has joined every collective below
                 failed.append(err)
     for index in sorted({e.group for e in plan.entries if e.group is not None}):  # the same on every rank
-        derived = derived_tensors(module, plan, index, dtypes, solo)
+        derived = derived_tensors(module, plan, index, dtypes, solo, failed)
         for entry in (e for e in plan.entries if e.group == index and derived is not None):
             jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
     return jobs
@@ -227,6 +153,8 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         if files is not None:
             files.close()
         raise
+    if failed and pipeline is not None:  # every collective joined: raised into the agreement after the write
+        raise failed[0]
     main = solo or is_main()
 
     def write(values, files):

@@ -62,8 +62,6 @@ def share_inputs(groups: dict, problem: str | None = None) -> dict:
     read) for every group of columns at once: `groups` is {key: {column: value}} (the same keys and columns on every
     rank), and the answer {key: Shared}. A rank that found its inputs wrong (`problem`) says so in the same
     all-gather, and every rank then raises the same error, naming that rank."""
-    import torch.distributed as dist
-
     columns = [(key, column, value) for key, values in groups.items() for column, value in values.items()]
     mine = [[0] * (3 + MAX_DIMS) for _ in range(len(columns) + 1)]  # the last row: this rank's error flag
     if problem is None:
@@ -73,11 +71,7 @@ def share_inputs(groups: dict, problem: str | None = None) -> dict:
     mine[-1][0] = int(problem is not None)
     group = checkpoint_group()
     everyone = all_gather_host(mine, group)  # [rank][row][field], Python ints
-    failed = [r for r, rows in enumerate(everyone) if rows[-1][0] == 1]
-    if failed:  # every rank knows: the messages follow, on every rank alike
-        messages = [None] * world_size()
-        dist.all_gather_object(messages, problem, group=group)
-        raise ValueError(f"{messages[failed[0]]} (on rank {failed[0]}; every rank raises this)")
+    raise_shared(problem, [rows[-1][0] == 1 for rows in everyone], group)
     shared, at, me = {}, 0, rank()
     for key, values in groups.items():
         rows = range(at, at + len(values))
@@ -90,6 +84,33 @@ def share_inputs(groups: dict, problem: str | None = None) -> dict:
             donors[column] = None if row is None else (tuple(row[3:3 + row[2]]), CODES[row[1]])
         shared[key] = Shared(donors, next((r for r, h in enumerate(has) if h), None), all(has), has[me])
     return shared
+
+
+def raise_shared(problem: str | None, failed: list[bool], group) -> None:
+    """Where some rank failed (`failed`, alike on every rank), every rank raises the first failed rank's `problem`
+    (the messages follow in one more all-gather, on every rank alike)."""
+    import torch.distributed as dist
+
+    if any(failed):
+        first, messages = failed.index(True), [None] * world_size()
+        dist.all_gather_object(messages, problem, group=group)
+        raise ValueError(f"{messages[first]} (on rank {first}; every rank raises this)")
+
+
+def agree(problem: str | None) -> None:
+    """An entry point's call that decides from what was shared before `forward`: one all-gather of one integer per
+    rank (whether its call went as planned, `problem` where not), so a rank that cannot go on raises with every
+    rank instead of alone (the others would wait in the module's collectives)."""
+    group = checkpoint_group()
+    raise_shared(problem, [row[0][0] == 1 for row in all_gather_host([[int(problem is not None)]], group)], group)
+
+
+def not_as_planned(spec, present: list) -> str:
+    return (f"module {spec.module!r}: {spec.method} was called on this rank with {present or 'none'} of its inputs "
+            f"{list(spec.inputs)}, unlike forward's arguments of those names, which every rank shared before forward "
+            "ran (and which decide where the module runs). forward must pass them on as it was given them (cast or "
+            "moved, but given where given and None where not); name an input forward makes itself unlike its "
+            "arguments, and it is shared at the call instead")
 
 
 def broadcast_row(donors: dict, donor_rank: int | None, inputs: dict, prepared) -> dict | None:

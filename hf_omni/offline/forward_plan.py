@@ -6,10 +6,14 @@ Before `forward` runs (OmniModel's forward pre-hook), every rank shares in one a
   `encode_image(pixel_values)` called from `forward(..., pixel_values=None, ...)`), which of them it was given, their
   shapes and dtypes, and whether they are wrong (given in part, not a tensor): then every rank raises alike, before
   any module runs.
-Such an entry point decides from that answer, with no collective of its own but the donor's row in a step where
-some ranks lack its inputs. Its contract: `forward` passes those arguments on as it was given them (cast, moved or
-reshaped, but given where given and None where not). An entry point whose inputs `forward` makes itself (named
-unlike its arguments, or called outside `forward`) shares them at its call instead: one more all-gather.
+Such an entry point decides from that answer. Its contract: `forward` passes those arguments on as it was given
+them (cast, moved or reshaped, but given where given and None where not). At its call the ranks agree that it went
+as planned (one all-gather of one integer per rank: a rank whose call did not, `exchange.not_as_planned`, raises
+with every rank), and the donor's row is broadcast in a step where some ranks lack its inputs. An entry point whose
+inputs `forward` makes itself (named unlike its arguments, or called outside `forward`) shares them at its call
+instead: one more all-gather. Every error a rank finds on its own in the exchange (a `forward` or entry point it
+cannot bind, inputs given in part or not tensors, a call unlike the plan) travels in one of these collectives: every
+rank raises it, naming that rank, instead of one rank raising while the others wait in the module's collectives.
 """
 
 from __future__ import annotations
@@ -57,11 +61,15 @@ def share_forward(model, args: tuple, kwargs: dict, offline: list, online: list)
     point: Planned} for the online entry points whose inputs are all `forward`'s arguments."""
     if not offline and not online:
         return {}, {}
-    arguments, named = forward_arguments(model, args, kwargs)
-    planned = [s for s in online if set(s.inputs) <= named]
+    function = getattr(type(model).forward, "__wrapped__", type(model).forward)
+    planned = [s for s in online if set(s.inputs) <= forward_signature(function)[1]]  # alike on every rank
     if not offline and not planned:
         return {}, {}
     groups, problem = {}, None
+    try:  # whatever fails here fails in the all-gather below, on every rank alike
+        arguments = forward_arguments(model, args, kwargs)[0]
+    except TypeError as err:
+        arguments, problem = {}, f"{type(model).__name__}.forward: {err}"
     for spec in offline:
         value = arguments.get(spec.output)
         groups["output", spec.module] = {spec.output: stand_in(spec, value) if spec.ragged else value}

@@ -52,14 +52,19 @@ WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mod
 
 def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     """`fn(model, *args, **kwargs)`, the `@offline_encoder` method of module `spec.module`, as described above."""
-    bound = method_signature(fn).bind(model, *args, **kwargs)
-    inputs = {column: bound.arguments.get(column) for column in spec.inputs}
-    present = [c for c, v in inputs.items() if given(v)]
-    error = partly_given(spec, inputs)
     if not runs_collectives(model):
-        if error is not None:
+        bound = method_signature(fn).bind(model, *args, **kwargs)
+        inputs = {column: bound.arguments.get(column) for column in spec.inputs}
+        if (error := partly_given(spec, inputs)) is not None:
             raise ValueError(error)
-        return fn(*bound.args, **bound.kwargs) if present else None
+        return fn(*bound.args, **bound.kwargs) if any(given(v) for v in inputs.values()) else None
+    try:  # a call this rank cannot bind: the error goes in the call's collective below, which every rank joins
+        bound, failure = method_signature(fn).bind(model, *args, **kwargs), None
+    except TypeError as err:
+        bound, failure = None, f"module {spec.module!r}: {spec.method}: {err}"
+    inputs = {column: bound.arguments.get(column) if bound else None for column in spec.inputs}
+    present = [c for c, v in inputs.items() if given(v)]
+    error = failure or partly_given(spec, inputs)
     prepared = model.prepared
     if model.slots[spec.module].is_released:  # ranks given cached outputs never call it: no exchange
         if error is not None:
@@ -72,9 +77,9 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
         shared = exchange.share_inputs({spec.method: inputs}, error or wrong_value(spec.module, spec.method, inputs))
         shared = shared[spec.method]
     else:  # shared before forward, from its arguments
-        shared = plan.shared
-        if error is not None or (present and shared.donor is None):
-            raise ValueError(not_as_planned(spec, present))
+        shared = plan.shared  # this call agrees that it goes as planned (one integer per rank), or all raise
+        wrong = error is not None or wrong_value(spec.module, spec.method, inputs) or present and shared.donor is None
+        exchange.agree(failure or (exchange.not_as_planned(spec, present) if wrong else None))
         if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
             own = {c: plan.own[c][:1] for c in spec.inputs}
     if spec.ragged and not shared.everyone and shared.donor is not None:  # every rank knows the same: all raise
@@ -127,14 +132,6 @@ def same_form(inputs: dict, donors: dict) -> bool:
     """Each input has the shared shape after dim 0 and dtype (what the ranks without it allocate)."""
     return all(donors[c] is not None and tuple(v.shape[1:]) == donors[c][0][1:] and v.dtype == donors[c][1]
                for c, v in inputs.items())
-
-
-def not_as_planned(spec, present: list) -> str:
-    return (f"module {spec.module!r}: {spec.method} was called on this rank with {present or 'none'} of its inputs "
-            f"{list(spec.inputs)}, unlike forward's arguments of those names, which every rank shared before forward "
-            "ran (and which decide where the module runs). forward must pass them on as it was given them (cast or "
-            "moved, but given where given and None where not); name an input forward makes itself unlike its "
-            "arguments, and it is shared at the call instead")
 
 
 def dummy_rows(model, spec, fn, bound):

@@ -63,8 +63,8 @@ class FsdpSettings:
     cpu_offload: bool = key(False, (bool,), "keep sharded parameters on CPU", top_level=None)
     cpu_ram_efficient_loading: bool = key(False, (bool,), "refused: build with `empty_init=True` (each rank reads "
                                           "only its own rows)", top_level=None, check=_refuse_ram_loading)
-    ignored_modules: list | str | None = key(None, (list, str), "submodules left unsharded", nullable=True,
-                                             top_level=None)
+    ignored_modules: list | str | None = key(None, (list, str), "frozen submodules left unsharded (one that trains: "
+                                             "refused)", nullable=True, top_level=None)
 
     @classmethod
     def check_overlay(cls, module: str | None, settings: dict) -> None:

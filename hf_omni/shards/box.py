@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .device import on_group_device
+
 Box = tuple[slice, ...]
 
 
@@ -87,7 +89,8 @@ def as_rows(tensor):
     """`tensor` with its shards on dim 0: a DTensor sharded on dims other than 0 redistributed to `Shard(0)` (its
     other placements kept), anything else as is. A collective every rank of its mesh joins, in the same order; it
     costs one all-to-all of the tensor's shards (NCCL: each rank sends and receives about its shard's bytes) and one
-    extra shard held while the result lives. gloo (CPU) has no all-to-all: torch all-gathers the tensor over the
+    extra shard held while the result lives. It runs on the device the mesh serves (an offloaded module's shards go
+there and back: `device.on_group_device`). gloo (CPU) has no all-to-all: torch all-gathers the tensor over the
     shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on two dims
     is refused."""
     if not sharded_off_rows(tensor):
@@ -97,4 +100,4 @@ def as_rows(tensor):
     if len(shard_dims(tensor)) > 1:
         raise NotImplementedError(f"hf_omni writes a tensor sharded on one dim only, got {tensor.placements}")
     placements = [Shard(0) if isinstance(p, Shard) else p for p in tensor.placements]
-    return tensor.detach().redistribute(tensor.device_mesh, placements)
+    return on_group_device(lambda t: t.redistribute(t.device_mesh, placements), tensor.detach())

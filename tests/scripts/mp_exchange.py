@@ -1,7 +1,9 @@
 """Inputs to an entry point wrong on one rank, at 2 ranks started as plain processes (RANK / WORLD_SIZE /
 MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partial`) or a list for them (MODE
 `not_a_tensor`), or no pixels to an entry point with ragged outputs (MODE `ragged`: no dummy can be built; rank 0
-has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs). Each rank writes what it raised to
+has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs); rank 1's forward passes the mask on as None
+unlike its argument (MODE `not_as_planned`), or rank 1 calls the model with an argument its forward does not take
+(MODE `unbound`). Each rank writes what it raised to
 OUT_DIR/rank<r>.txt and exits 1. MODE `two_towers`: two replicated towers whose entry points take `forward`'s
 arguments, rank 1 without sound at the second of 3 steps; each rank writes how many all-gathers of host metadata
 each forward made and a digest of its towers' gradients (DDP-reduced: equal on both ranks), then, on its own line,
@@ -29,6 +31,12 @@ class Tower(OmniModel):
 
     def forward(self, pixel_values=None, mask=None):
         feats = self.encode(pixel_values, mask=mask)
+        return {"loss": feats.square().mean()}
+
+
+class DeviatingTower(Tower):
+    def forward(self, pixel_values=None, mask=None):
+        feats = self.encode(pixel_values, mask=mask if os.environ["RANK"] == "0" else None)
         return {"loss": feats.square().mean()}
 
 
@@ -97,15 +105,16 @@ def main(mode: str, out_dir: str):
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(two_towers(rank, vision))
         end_distributed(0)
-    cls = RaggedTower if mode.startswith("ragged") else Tower
+    cls = RaggedTower if mode.startswith("ragged") else DeviatingTower if mode == "not_as_planned" else Tower
     model, _, _ = plugin.prepare(Accelerator(cpu=True), cls.from_modules({"vision": vision}), num_training_steps=2)
     pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
     if rank == 1 and mode == "ragged":
         pixels, mask = None, None
     elif rank == 1 and mode in ("partial", "not_a_tensor"):
         mask = None if mode == "partial" else [[1.0]] * 2
+    extra = {"sound": pixels} if rank == 1 and mode == "unbound" else {}
     try:
-        model(pixel_values=pixels, mask=mask)["loss"].backward()
+        model(pixel_values=pixels, mask=mask, **extra)["loss"].backward()
         outcome = "no error"
     except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
         outcome = f"{type(err).__name__}: {err}"

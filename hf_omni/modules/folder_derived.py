@@ -1,0 +1,124 @@
+"""A derived group of a module's HF folder (MoE experts split on save: the file holds one tensor per expert where
+the module holds them fused): converted by one rank, round robin over the ranks of the first replica, from its
+source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time, on the device the shards' group
+serves: `shards.device.on_group_device`).
+
+Every rank joins every gather of every group, whatever fails on its own between them: a rank-local step (a cast,
+the conversion) that fails goes to `failed` (raised at once where no other rank waits: no process group, or a
+module written by one process), and the rank goes on joining the gathers; its error is raised once
+every rank has joined every collective (`folder_write`), into the agreement that follows the write, where every
+rank raises it. A rank that raised at once would wait in that agreement while the others wait in its next gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..dist import has_process_group
+from ..shards.box import as_rows, local_of
+from ..shards.device import on_group_device
+from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
+from .tensor_layout import module_tensors
+
+
+def sharded(tensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return hasattr(tensor, "placements") and any(isinstance(p, Shard) for p in tensor.placements)
+
+
+def replica(tensor) -> tuple[int, int]:
+    """(this rank's replica index, replica count) over the mesh dimensions where `tensor` is replicated."""
+    from torch.distributed.tensor import Replicate
+
+    index, count = 0, 1
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            index, count = index * tensor.device_mesh.size(dim) + tensor.device_mesh.get_local_rank(dim), \
+                count * tensor.device_mesh.size(dim)
+    return index, count
+
+
+def rank_world(solo: bool = False) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if has_process_group() and not solo else (0, 1)
+
+
+def gather_to(tensor, writer: int):
+    """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
+    group only (a shard on another dim redistributed to dim 0 first, over that group: `as_rows`), on the device
+    that group serves, the parts back where the shards live; a whole one is the writer's own."""
+    import torch.distributed as dist
+
+    if not sharded(tensor):
+        local = local_of(tensor)
+        return local if rank_world()[0] == writer else None
+    from torch.distributed.tensor import Shard
+
+    tensor = as_rows(tensor)
+    mesh = tensor.device_mesh
+    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    group, count = mesh.get_group(dim), mesh.size(dim)
+    chunk = -(-tensor.shape[0] // count)
+    local = tensor.to_local()
+    padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[:local.shape[0]].copy_(local)
+
+    def gather(padded):
+        parts = [torch.empty_like(padded) for _ in range(count)] if dist.get_rank() == writer else None
+        dist.gather(padded, parts, dst=writer, group=group)
+        return parts
+
+    parts = on_group_device(gather, padded, mesh)
+    return torch.cat(parts)[:tensor.shape[0]] if parts is not None else None
+
+
+def first_replica_ranks(tensor) -> list[int] | None:
+    """The ranks of the first replica's shard group of a sharded tensor, when this rank is in it (else None)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    if replica(tensor)[0] != 0:
+        return None
+    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    return dist.get_process_group_ranks(tensor.device_mesh.get_group(dim))
+
+
+def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dict, solo: bool = False,
+                    failed: list | None = None) -> dict | None:
+    """Group `index` converted on its writer (the keys it derives, as tensors); None on the other ranks, and where
+    this rank failed (its error appended to `failed`). Every rank of the first replica joins the gathers."""
+    failed = [] if failed is None else failed
+    kind, sources = plan.groups[index]
+    tensors = module_tensors(module)
+    rank, world = rank_world(solo)
+    state, writer = {}, None
+    for source in sources:
+        tensor = tensors[source]
+        if sharded(tensor):
+            ranks = first_replica_ranks(tensor)
+            if ranks is None:
+                continue
+            writer = ranks[index % len(ranks)]
+        else:
+            writer = index % world
+        full = gather_to(tensor, writer)  # joined whatever failed here before
+        if full is not None and not failed:
+            try:
+                full = full.to("cpu", dtypes.get(source, full.dtype))
+                state.update((key, full) for key in plan.aliases[source])
+            except Exception as err:
+                if solo or not has_process_group():  # no other rank waits
+                    raise
+                failed.append(err)
+    if writer != rank or not state or failed:
+        return None
+    try:
+        return (weights_keys if kind == WEIGHTS else adapter_state_dict)(module, state)
+    except Exception as err:
+        if solo or not has_process_group():  # no other rank waits
+            raise
+        failed.append(err)
+        return None
