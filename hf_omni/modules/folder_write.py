@@ -8,12 +8,13 @@ Who writes which bytes of a tensor written as is:
 - held whole by every rank (DDP, frozen, no process group): its rows are split over the ranks, a small one
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
-A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first
-replica, from its source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time). Rank 0
-writes the headers, the index, config.json (the dtype the module exports in), the generation config, the processor
-and the adapter config. Each rank holds at most one 64 MB piece of a tensor converted to the export dtype at a
-time (a derived group: its tensors; a tensor sharded off dim 0: also its dim-0 shard, one tensor at a time when
-saving synchronously, all of them until staged under an async save); nothing funnels the module through one rank.
+A derived group (MoE experts split on save) is converted by one rank, round robin over the ranks of the first replica,
+from its source tensors gathered there (`dist.gather` of the shards on the dim they are sharded on, one tensor at a
+time: fused MoE experts on `Shard(1)` gather no padding). Rank 0 writes the headers, the index, config.json (the dtype
+the module exports in), the generation config, the processor and the adapter config. Each rank holds at most one 64 MB
+piece of a tensor converted to the export dtype at a time (a derived group: its tensors; a tensor sharded off dim 0:
+also its dim-0 shard, one tensor at a time when saving synchronously, all of them until staged under an async save);
+nothing funnels the module through one rank.
 Files are opened without truncation: the caller removes stale weight files before any rank writes
 (`remove_weight_files`), and agrees on success after.
 """
@@ -29,7 +30,7 @@ from torch import nn
 from ..dist import has_process_group, is_main
 from ..formats.interface import index_names
 from ..lora.merge import full, merged_rows
-from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
+from ..shards.box import as_rows, local_of, local_rows, shard_dims, sharded_off_rows
 from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
@@ -105,9 +106,8 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
 
 
 def gather_to(tensor, writer: int):
-    """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
-    group only (a shard on another dim redistributed to dim 0 first, over that group: `as_rows`); a whole one is
-    the writer's own."""
+    """The full tensor on rank `writer` (None elsewhere): a sharded one gathered on the dim it is sharded on, over the
+    first replica's shard group only (each shard padded to the largest); a whole one is the writer's own."""
     import torch.distributed as dist
 
     if not _sharded(tensor):
@@ -115,18 +115,18 @@ def gather_to(tensor, writer: int):
         return local if _rank_world()[0] == writer else None
     from torch.distributed.tensor import Shard
 
-    tensor = as_rows(tensor)
+    if len(shard_dims(tensor)) > 1:
+        raise NotImplementedError(f"hf_omni writes a tensor sharded on one dim only, got {tensor.placements}")
     mesh = tensor.device_mesh
-    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
-    group = mesh.get_group(dim)
-    count = mesh.size(dim)
-    chunk = -(-tensor.shape[0] // count)
+    mesh_dim, dim = next((i, p.dim % tensor.ndim) for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    group, count = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+    chunk = -(-tensor.shape[dim] // count)
     local = tensor.to_local()
-    padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-    padded[:local.shape[0]].copy_(local)
+    padded = local.new_zeros((*tensor.shape[:dim], chunk, *tensor.shape[dim + 1:]))
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
     parts = [torch.empty_like(padded) for _ in range(count)] if dist.get_rank() == writer else None
     dist.gather(padded, parts, dst=writer, group=group)
-    return torch.cat(parts)[:tensor.shape[0]] if parts is not None else None
+    return torch.cat(parts, dim).narrow(dim, 0, tensor.shape[dim]) if parts is not None else None
 
 
 def first_replica_ranks(tensor) -> list[int] | None:
