@@ -121,11 +121,13 @@ def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
     over 4 = all-gather fwd + all-gather bwd (every unit reshards after forward) + reduce-scatter = 3 * 3/4 P =
     2.25P, all cross-node; HSDP 2x2 = the same over the 2 ranks of a node, 3 * 1/2 P = 1.5P, plus the cross-node
     all-reduce of the half shard over 2 ranks, 2 * 1/2 * P/2 = 0.5P; DDP = 2 * 3/4 P = 1.5P, cross-node. As run:
-    FSDP2 pads each parameter's dim 0 to a multiple of the shard count (gathered / reduced sizes are padded), and a
+    FSDP2 pads each parameter's sharded dim to a multiple of the shard count (gathered / reduced sizes are padded;
+    dim 0 unless hf_omni's placement rule picked another, which divides), and a
     root unit that keeps its parameters after forward (FSDP2's rule when reshard_after_forward is left None) skips
     its backward all-gather; hf_omni passes reshard_after_forward=True, so the root reshards and the 3 passes hold.
     Held: params + grads + 2 AdamW moments = 4 x the (padded) shard; DDP 4P (its reducer's buckets not counted)."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
 
     in_child = {id(p) for m in llm.modules() if m is not llm and isinstance(m, FSDPModule) for p in m.parameters()}
     params = list(llm.parameters())
@@ -134,7 +136,9 @@ def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
         return {"P": full, "brief/within": 0.0, "brief/cross": 1.5 * full, "run/within": 0.0, "run/cross": 1.5 * full,
                 "state": 4 * full}
     shard = 4 if layout.startswith("full") else 2
-    padded = {id(p): math.ceil(p.shape[0] / shard) * shard * math.prod(p.shape[1:]) * 4 for p in params}
+    dims = {id(p): next(pl.dim for pl in p.placements if isinstance(pl, Shard)) for p in params}
+    padded = {id(p): math.ceil(p.shape[dims[id(p)]] / shard) * shard * p.numel() // p.shape[dims[id(p)]] * 4
+              for p in params}
     gathered = sum(padded.values())
     backward = sum(v for k, v in padded.items() if root_reshards or k in in_child)
     passes = (2 * gathered + backward) * (shard - 1) / shard  # all-gather fwd + bwd, reduce-scatter

@@ -11,7 +11,8 @@ from transformers import (
 
 from hf_omni.modules import weights
 from hf_omni.modules.empty_init import build_empty
-from hf_omni.modules.expert_rows import read_rows, row_layout
+from hf_omni.modules import expert_rows
+from hf_omni.modules.expert_rows import read_rows, row_layout, slabs
 from hf_omni.modules.folder_plan import plan_folder
 from hf_omni.modules.tensor_layout import module_tensors
 from hf_omni.modules.weights import SafetensorsIndex, fill_module
@@ -86,20 +87,29 @@ class Share:
         return self.local
 
 
-def test_experts_sharded_on_an_inner_dim_read_their_box_of_each_row(saved):
-    """A fused experts tensor on `Shard(1)` / `Shard(2)` (3 ranks: uneven) reads each of its rows' files and keeps
-    its columns of them."""
+@pytest.mark.parametrize("slabbed", [True, False], ids=["slabs", "whole_rows"])
+def test_experts_sharded_on_an_inner_dim_read_their_box_of_each_row(saved, slabbed, monkeypatch):
+    """A fused experts tensor on `Shard(1)` / `Shard(2)` (3 ranks: uneven) keeps its box of each row: read from each
+    file tensor's part in it (every file tensor here is a slab of the row: each element read once, by one rank), or,
+    where they are not slabs, from the row's file tensors read whole by every rank."""
     kind, folder, loaded = saved
     module = build_empty(CASES[kind]().__class__, str(folder))
     plan, names = fused_names(module)
     index = SafetensorsIndex.for_weights(str(folder))
+    assert all(slabs(row_layout(module, plan, n), index, loaded[n].shape[1:]) for n in names)
+    if not slabbed:
+        monkeypatch.setattr(expert_rows, "slabs", lambda *args: None)
+    read, elements = index.read, []
+    index.read = lambda key, box=None: elements.append(read(key, box).numel()) or read(key, box)
     for name in names:
         layout, full = row_layout(module, plan, name), loaded[name]
         for dim in range(1, full.ndim):
+            elements.clear()
             for rank in range(3):
                 share = Share(full.shape, dim, rank, 3)
                 read_rows(share, layout, index)
                 assert torch.equal(share.local, full[local_box(share)]), (kind, name, dim, rank)
+            assert sum(elements) == (1 if slabbed else 3) * full.numel(), (kind, name, dim)
 
 
 def test_fill_module_reads_experts_without_transformers_full_copy(saved, monkeypatch):

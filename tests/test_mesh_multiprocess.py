@@ -39,7 +39,8 @@ def test_meshes_are_what_each_module_asked_for(four_ranks):
     facts = four_ranks["mixed_global_clip"]["facts"]
     assert facts["mesh_shapes"] == {"vision": (4,), "projector": (2, 2), "llm": (2, 2)}
     assert facts["shared"]["llm"] == ["projector", "llm"]  # one mesh per shape, shared
-    assert facts["placements"]["llm"] == "(Replicate(), Shard(dim=0))"
+    # the llm's first parameter, its 19-row embedding: dim 0 over a shard group of 2 pads 5.3%, so its columns
+    assert facts["placements"]["llm"] == "(Replicate(), Shard(dim=1))"  # (hf_omni/parallel/placement.py)
     # HSDP 2x2: shards within ranks {0, 1} (a node of 2 processes), replicas across nodes (rank 0 with rank 2)
     assert facts["groups"]["llm"] == {"dp_replicate": [0, 2], "dp_shard": [0, 1]}
     assert facts["groups"]["vision"] == {"dp_shard": [0, 1, 2, 3]}
@@ -48,7 +49,7 @@ def test_meshes_are_what_each_module_asked_for(four_ranks):
         assert sharding["local_bytes"] == pytest.approx(sharding["full_bytes"] / parts, rel=0.2)  # rank 0: ceil rows
     model_scope = four_ranks["model_scope_hsdp"]["facts"]
     assert model_scope["mesh_shapes"] == {"(model)": (2, 2)}
-    assert model_scope["placements"]["(model)"] == "(Replicate(), Shard(dim=0))"
+    assert model_scope["placements"]["(model)"] == "(Replicate(), Shard(dim=2))"  # the ViT's [1, 1, 32] CLS token
     replicated = four_ranks["replicated_per_module_clip"]["facts"]
     assert replicated["wrapped"]["llm"] == "ddp" and "llm" not in replicated["mesh_shapes"]
     assert replicated["mesh_shapes"] == {"vision": (2, 2), "projector": (4,)}

@@ -11,6 +11,7 @@ from mp_scenarios import FSDP_ENV, SCENARIOS
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
+from hf_omni.parallel.placement import shard_dim
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +128,11 @@ def test_empty_init_reads_only_each_ranks_shards(two_rank_results):
     llm_reads = [r for r in facts["reads"] if r[0].startswith(("model.", "lm_head"))]
     other_reads = [r for r in facts["reads"] if not r[0].startswith(("model.", "lm_head", "base_model"))]
     assert llm_reads and other_reads
-    for key, shape, full in llm_reads:
-        assert shape[0] == -(-full[0] // 2) and shape[1:] == full[1:], (key, shape, full)  # half the rows
+    for key, shape, full in llm_reads:  # half the rows; the 19-row embedding and LM head half their columns
+        dim = shard_dim(full, 2)  # (hf_omni/parallel/placement.py: dim 0 would pad them 5.3%)
+        assert dim == (1 if full[0] == 19 else 0), (key, full)
+        half = [-(-n // 2) if d == dim else n for d, n in enumerate(full)]
+        assert list(shape) == half, (key, shape, full)
     for key, shape, full in other_reads:
         assert shape == full, key
 

@@ -159,3 +159,33 @@ def set_group_timeout(group, timeout_s: float) -> None:
     import datetime
 
     resolve("torch.distributed.distributed_c10d._set_pg_timeout")(datetime.timedelta(seconds=timeout_s), group)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A default process group of `world_size` ranks, this process as `rank`, whose collectives move nothing
+    (torch's testing `fake` backend): enough to shard modules as any one rank of a large world would."""
+    import torch.distributed as dist
+
+    store = resolve("torch.testing._internal.distributed.fake_pg.FakeStore")
+    dist.init_process_group("fake", store=store(), rank=rank, world_size=world_size)
+
+
+def fsdp_padded_shards(module: nn.Module) -> dict[str, tuple[int, torch.Size]]:
+    """{parameter name: (the dim FSDP2 shards it on, the padded shard this rank keeps)} for every parameter of the
+    `fully_shard` units in `module` (an all-gather of a parameter moves that padded shard from every rank of its
+    shard group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    resolve("torch.distributed.fsdp.FSDPModule._get_fsdp_state")
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
+        for param in (group.fsdp_params if group is not None else ()):
+            if not hasattr(param, "padded_sharded_param_size"):
+                raise MissingInternalError("hf_omni relies on torch's FSDPParam keeping `padded_sharded_param_size`, "
+                                           "which the installed torch does not")
+            out[names[id(param.sharded_param)]] = (param.fsdp_placement.dim, param.padded_sharded_param_size)
+    return out

@@ -8,8 +8,10 @@ comes out under each key of row 0 says where that file tensor's elements go in t
 of row 0 with the row index replaced, checked against every key the plan expects. A rank then reads, for each row
 it holds, that row's file tensors only (whole: they are that row's alone) and places them. A conversion that does
 not act row by row (its keys do not follow the rows, or the positions are not a permutation of the row) is left to
-transformers' loading. Costs while tracing: one row of positions (int32) per fused tensor; a tensor sharded on
-another dim than the rows (`Shard(1)`, ...) also holds one whole row while placing its box of that row.
+transformers' loading. Costs while tracing: one row of positions (int32) per fused tensor. A tensor sharded on
+another dim than the rows (`Shard(1)`, ...: experts over more ranks than experts) reads only its box of each file
+tensor where the file tensors are slabs of a row (Mixtral's, Qwen2-MoE's); else it reads each row's file tensors
+whole and holds one whole row while placing its box of that row.
 """
 
 from __future__ import annotations
@@ -73,16 +75,41 @@ def row_key(key: str, segment: int, row: int) -> str:
     return ".".join(parts)
 
 
+def slabs(layout: tuple[int, dict[str, Placement]], weights, row: torch.Size) -> dict[str, tuple[int, int]] | None:
+    """{key of row 0: the slab [first, stop) of the row's dim 0 its file tensor fills}, when every file tensor of a
+    row is such a slab in order (its shape the row's past dim 0: Mixtral's w1 and w3 the two halves of a
+    `gate_up_proj` row, w2 a whole `down_proj` row); None otherwise."""
+    segment, placements = layout
+    inner, out = row[1:].numel(), {}
+    for key, where in placements.items():
+        shape = weights.info(row_key(key, segment, 0))[0]
+        if not isinstance(where, tuple) or tuple(shape[1:]) != tuple(row[1:]) or where[0] % inner or \
+                len(shape) < 1 or shape[0] * inner != where[1]:
+            return None
+        out[key] = (where[0] // inner, where[0] // inner + shape[0])
+    return out
+
+
 @torch.no_grad()
 def read_rows(tensor, layout: tuple[int, dict[str, Placement]], weights, rows: tuple[int, int] | None = None) -> None:
     """Fill this rank's box of `tensor` (a DTensor's local shard, or the whole tensor; `rows`: a plain tensor holding
-    rows [start, stop)) from `weights` (`weights.SafetensorsIndex`), one row's file tensors at a time."""
+    rows [start, stop)) from `weights` (`weights.SafetensorsIndex`), one row's file tensors at a time. A box of part
+    of each row (`Shard(1)`, ...) reads only its part of each file tensor where those are slabs of the row
+    (`slabs`), else the row's file tensors whole."""
     segment, placements = layout
     local = local_of(tensor)
     box = local_box(tensor) or (slice(*(rows or (0, tensor.shape[0]))), *(slice(0, n) for n in tensor.shape[1:]))
     whole = all(b.stop - b.start == n for b, n in zip(box[1:], tensor.shape[1:]))
+    parts = None if whole or tensor.ndim < 2 else slabs(layout, weights, tensor.shape[1:])
     for row in range(box[0].start, box[0].stop):
         target = local[row - box[0].start]
+        if parts is not None:  # each file tensor's rows inside the box's dim 1, its box past that
+            for key, (first, stop) in parts.items():
+                lo, hi = max(first, box[1].start), min(stop, box[1].stop)
+                if hi > lo:
+                    value = weights.read(row_key(key, segment, row), (slice(lo - first, hi - first), *box[2:]))
+                    target.narrow(0, lo - box[1].start, hi - lo).copy_(value)
+            continue
         flat = (target if whole else torch.empty(tensor.shape[1:], dtype=local.dtype, device=local.device)).view(-1)
         for key, where in placements.items():
             value = weights.read(row_key(key, segment, row)).reshape(-1).to(flat.dtype)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group
-from ..shards.box import as_rows, local_of
+from ..shards.box import local_of, shard_dims
 from ..shards.device import on_group_device
 from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .tensor_layout import module_tensors
@@ -47,9 +47,9 @@ def rank_world(solo: bool = False) -> tuple[int, int]:
 
 
 def gather_to(tensor, writer: int):
-    """The full tensor on rank `writer` (None elsewhere): a dim-0 shard gathered over the first replica's shard
-    group only (a shard on another dim redistributed to dim 0 first, over that group: `as_rows`), on the device
-    that group serves, the parts back where the shards live; a whole one is the writer's own."""
+    """The full tensor on rank `writer` (None elsewhere): a sharded one gathered on the dim it is sharded on (each
+    shard padded to the largest), over the first replica's shard group only, on the device that group serves, the
+    parts back where the shards live; a whole one is the writer's own."""
     import torch.distributed as dist
 
     if not sharded(tensor):
@@ -57,14 +57,15 @@ def gather_to(tensor, writer: int):
         return local if rank_world()[0] == writer else None
     from torch.distributed.tensor import Shard
 
-    tensor = as_rows(tensor)
+    if len(shard_dims(tensor)) > 1:
+        raise NotImplementedError(f"hf_omni writes a tensor sharded on one dim only, got {tensor.placements}")
     mesh = tensor.device_mesh
-    dim = next(i for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
-    group, count = mesh.get_group(dim), mesh.size(dim)
-    chunk = -(-tensor.shape[0] // count)
+    mesh_dim, dim = next((i, p.dim % tensor.ndim) for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
+    group, count = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+    chunk = -(-tensor.shape[dim] // count)
     local = tensor.to_local()
-    padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-    padded[:local.shape[0]].copy_(local)
+    padded = local.new_zeros((*tensor.shape[:dim], chunk, *tensor.shape[dim + 1:]))
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
 
     def gather(padded):
         parts = [torch.empty_like(padded) for _ in range(count)] if dist.get_rank() == writer else None
@@ -72,7 +73,7 @@ def gather_to(tensor, writer: int):
         return parts
 
     parts = on_group_device(gather, padded, mesh)
-    return torch.cat(parts)[:tensor.shape[0]] if parts is not None else None
+    return torch.cat(parts, dim).narrow(dim, 0, tensor.shape[dim]) if parts is not None else None
 
 
 def first_replica_ranks(tensor) -> list[int] | None:

@@ -9,7 +9,8 @@ Who writes which bytes of a tensor written as is:
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
 A derived group (MoE experts split on save) is converted by one rank from its source tensors gathered there
-(`folder_derived`). Every collective here (gathers, redistributions, LoRA's whole `lora_A`) runs on the device the
+(`folder_derived`: `dist.gather` of the shards on the dim they are sharded on, so fused experts on `Shard(1)` gather
+no padding). Every collective here (gathers, redistributions, LoRA's whole `lora_A`) runs on the device the
 tensors' group serves (`shards.device.on_group_device`: an offloaded module's CPU shards go to the accelerator and
 back). A rank-local step between two collectives that fails (a merge, a cast, a conversion, an OSError) does not
 stop this rank from joining the collectives that follow: its error is raised once every rank has joined them all,

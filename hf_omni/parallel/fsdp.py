@@ -2,6 +2,8 @@
 module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its one global model, and never on CPU).
 
 - The plugin is built from the module's `FsdpSettings` (`fsdp_settings.build_plugin`).
+- Each parameter is sharded on the dim `placement.shard_dim` picks (dim 0 unless padding it over the shard group
+  would exceed 5%: fused MoE experts over more ranks than experts).
 - Wrap units: the plugin's auto-wrap policy (Accelerate's helper), the input embeddings as their own unit
   (the composed forward calls them before the module's own forward), then the module root.
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
@@ -19,6 +21,7 @@ from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
 from ..modules.units import RootedModule, roots_of, run_roots
 from .fsdp_settings import FsdpSettings, build_plugin
+from . import placement
 from .loose import replicate_loose
 from .strategy import MODEL_SCOPE, Strategy, register
 
@@ -116,7 +119,8 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     if isinstance(offload, CPUOffloadPolicy) and device.type == "cpu":  # pinned memory needs an accelerator
         offload = CPUOffloadPolicy(pin_memory=False)
     kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=offload,
-                  mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+                  mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+                  shard_placement_fn=placement.placement_fn(mesh.size(mesh.ndim - 1)))  # over the shard group
     if plugin.ignored_modules is not None:
         kwargs["ignored_params"] = fsdp_ignored_params(plugin.ignored_modules, module, device)
     try:
