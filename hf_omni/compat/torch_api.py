@@ -170,6 +170,13 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=store(), rank=rank, world_size=world_size)
 
 
+def strided_shard_factor(placement) -> int | None:
+    """The split factor of a DTensor `_StridedShard(dim, sf)` placement (FSDP2 over a tensor already sharded on the
+    same dim: the number of parts the mesh dims after it cut the dim into first), None for any other placement."""
+    strided = resolve("torch.distributed.tensor.placement_types._StridedShard")
+    return int(placement.split_factor) if isinstance(placement, strided) else None
+
+
 def fsdp_padded_shards(module: nn.Module) -> dict[str, tuple[int, torch.Size]]:
     """{parameter name: (the dim FSDP2 shards it on, the padded shard this rank keeps)} for every parameter of the
     `fully_shard` units in `module` (an all-gather of a parameter moves that padded shard from every rank of its

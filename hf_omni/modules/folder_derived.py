@@ -57,8 +57,10 @@ def gather_to(tensor, writer: int):
         return local if rank_world()[0] == writer else None
     from torch.distributed.tensor import Shard
 
-    if len(shard_dims(tensor)) > 1:
-        raise NotImplementedError(f"hf_omni writes a tensor sharded on one dim only, got {tensor.placements}")
+    dims = shard_dims(tensor)
+    if len(dims) > 1 or any(len(mesh_dims) > 1 for mesh_dims in dims.values()):  # one gather over one mesh dim
+        raise NotImplementedError(f"hf_omni gathers a tensor to convert it only when one mesh dim shards one tensor "
+                                  f"dim, got {tensor.placements}")
     mesh = tensor.device_mesh
     mesh_dim, dim = next((i, p.dim % tensor.ndim) for i, p in enumerate(tensor.placements) if isinstance(p, Shard))
     group, count = mesh.get_group(mesh_dim), mesh.size(mesh_dim)

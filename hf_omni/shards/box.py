@@ -1,9 +1,14 @@
-"""This rank's share of a tensor: for a DTensor, the box of the global tensor it holds (one slice per dim, from each
-`Shard(d)` placement, in torch's chunk layout; `Replicate` mesh dims add nothing), copying a value into it, and a
+"""This rank's share of a tensor: for a DTensor, the box of the global tensor it holds (one slice per dim, from its
+`Shard(d)` placements, in torch's chunk layout; `Replicate` mesh dims add nothing), copying a value into it, and a
 row-sharded view of it for writers of row-major files.
 
-Any `Shard(d)` is served; refused with a clear error: two mesh dims sharding one tensor dim, `_StridedShard`
-(FSDP2 over tensor parallelism) and `Partial` (a pending reduction: no file value).
+A tensor dim may be cut by several mesh dims: plain `Shard(d)`s cut it in mesh order, each inside the part the one
+before left, and a `_StridedShard(d, sf)` (FSDP2 over a tensor already sharded on d by tensor or expert parallelism:
+`(_StridedShard(0, sf=T), Shard(0))` on `(dp_shard, tp)`) cuts last, inside the part of the plain `Shard(d)`s after
+it in the mesh (sf is the number of their parts). Each cut is `torch.chunk`'s, so the share is always one box.
+Refused with a clear error: `Partial` (a pending reduction: no file value), any other placement, and a
+`_StridedShard` that is not that (a plain `Shard` of the same dim before it, or a split factor other than the parts
+of those after it).
 """
 
 from __future__ import annotations
@@ -23,36 +28,58 @@ def _chunk(size: int, count: int, index: int) -> slice:
     return slice(start, min(start + step, size))
 
 
-def shard_dims(tensor) -> dict[int, int]:
-    """{tensor dim: the mesh dim sharding it} of a DTensor ({} for a plain tensor); refuses what `local_box` cannot
-    describe."""
+def shard_dims(tensor) -> dict[int, list[int]]:
+    """{tensor dim: the mesh dims cutting it, in the order they cut it (outer first)} of a DTensor ({} for a plain
+    tensor); refuses what `local_box` cannot describe."""
     if not hasattr(tensor, "placements"):
         return {}
     from torch.distributed.tensor import Replicate, Shard
 
-    out: dict[int, int] = {}
+    from ..compat import strided_shard_factor
+
+    plain: dict[int, list[int]] = {}
+    strided: dict[int, tuple[int, int]] = {}
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             continue
-        if type(placement) is not Shard:  # a subclass (`_StridedShard`), or `Partial`
-            raise NotImplementedError(f"hf_omni reads and writes tensors sharded with plain Shard(dim) placements "
-                                      f"(and Replicate), got {tensor.placements}")
+        factor = strided_shard_factor(placement)
+        if factor is None and type(placement) is not Shard:  # `Partial`, or a placement hf_omni does not know
+            raise NotImplementedError(f"hf_omni reads and writes tensors sharded with Shard(dim) placements (and "
+                                      f"Replicate; FSDP2's _StridedShard over them), got {tensor.placements}")
         dim = placement.dim % max(tensor.ndim, 1)
-        if dim in out:
-            raise NotImplementedError(f"hf_omni does not read or write a tensor dim sharded over two mesh dims "
-                                      f"(dim {dim}: {tensor.placements})")
-        out[dim] = mesh_dim
-    return out
+        if factor is None:
+            plain.setdefault(dim, []).append(mesh_dim)
+        elif dim in strided:
+            raise NotImplementedError(f"hf_omni does not read or write a tensor dim cut by two _StridedShard "
+                                      f"placements (dim {dim}: {tensor.placements})")
+        else:
+            strided[dim] = (mesh_dim, factor)
+    for dim, (mesh_dim, factor) in strided.items():
+        inner = plain.get(dim, [])
+        parts = 1
+        for other in inner:
+            parts *= tensor.device_mesh.size(other)
+        if not inner or min(inner) < mesh_dim or factor != parts:
+            raise NotImplementedError(f"hf_omni reads and writes a _StridedShard(dim, sf) only over plain "
+                                      f"Shard(dim)s after it in the mesh that cut the dim into sf parts (FSDP2 over "
+                                      f"tensor parallelism), got {tensor.placements} on a mesh of shape "
+                                      f"{tuple(tensor.device_mesh.shape)}")
+    return {dim: plain.get(dim, []) + ([strided[dim][0]] if dim in strided else [])
+            for dim in sorted({*plain, *strided})}
 
 
 def local_box(tensor) -> Box | None:
     """The box of the global tensor this rank holds of a DTensor (one slice per dim; a dim no placement shards is
-    whole); None for a plain tensor."""
+    whole; a dim several mesh dims shard is cut by each in turn, `shard_dims`' order); None for a plain tensor."""
     if not hasattr(tensor, "placements"):
         return None
-    dims, mesh = shard_dims(tensor), tensor.device_mesh
-    return tuple(_chunk(size, mesh.size(dims[d]), mesh.get_local_rank(dims[d])) if d in dims else slice(0, size)
-                 for d, size in enumerate(tensor.shape))
+    mesh, box = tensor.device_mesh, [slice(0, size) for size in tensor.shape]
+    for dim, mesh_dims in shard_dims(tensor).items():
+        for mesh_dim in mesh_dims if dim < len(box) else ():  # a 0-d tensor has no dim to cut
+            start = box[dim].start
+            part = _chunk(box[dim].stop - start, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+            box[dim] = slice(start + part.start, start + part.stop)
+    return tuple(box)
 
 
 def local_rows(tensor) -> tuple[int, int] | None:
@@ -92,12 +119,14 @@ def as_rows(tensor):
     extra shard held while the result lives. It runs on the device the mesh serves (an offloaded module's shards go
 there and back: `device.on_group_device`). gloo (CPU) has no all-to-all: torch all-gathers the tensor over the
     shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on two dims
-    is refused."""
+    or a dim sharded by several mesh dims (off dim 0) is refused."""
     if not sharded_off_rows(tensor):
         return tensor
     from torch.distributed.tensor import Shard
 
-    if len(shard_dims(tensor)) > 1:
-        raise NotImplementedError(f"hf_omni writes a tensor sharded on one dim only, got {tensor.placements}")
+    dims = shard_dims(tensor)
+    if len(dims) > 1 or any(len(mesh_dims) > 1 for mesh_dims in dims.values()):
+        raise NotImplementedError(f"hf_omni writes a tensor sharded off dim 0 only when one mesh dim shards one "
+                                  f"tensor dim, got {tensor.placements}")
     placements = [Shard(0) if isinstance(p, Shard) else p for p in tensor.placements]
     return on_group_device(lambda t: t.redistribute(t.device_mesh, placements), tensor.detach())
