@@ -3,7 +3,11 @@
 In process, torch's fake process group as every rank of a 2x2 and a 2x4 (dp_shard, tp) mesh: `shards.box.local_box`
 of the placements FSDP2 over tensor parallelism makes ((_StridedShard(0, sf=tp), Shard(0)) column splits,
 (Shard(0), Shard(1)) row splits, ...) at uneven sizes is torch's own `compute_local_shape_and_global_offset`; what
-a box cannot describe is refused by name."""
+a box cannot describe is refused by name. At 4 gloo ranks (one launch, tests/scripts/mp_tp_boxes.py): a tiny Llama
+split by transformers' tensor-parallel plan and FSDP2, every parameter's box read from its full tensor, and the
+per-module gradient norms and clipping against one process."""
+
+import json
 
 import pytest
 import torch
@@ -105,3 +109,13 @@ def test_what_a_box_cannot_describe_is_refused_by_name():
 
     on_mesh((2, 2), 0, check)
 
+
+def test_tensor_parallel_llama_boxes_norms_and_clipping_at_four_ranks(tmp_path, launch_ranks):
+    launch_ranks("mp_tp_boxes.py", str(tmp_path), processes=4, timeout=300)
+    for rank in range(4):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["problems"] == [], (rank, report["problems"])
+        assert report["clipped"]
+        kinds = {tuple(p) for p in report["placements"].values()}
+        assert {("_S(0, 2)", "S(0)", "('dp_shard', 'tp')"), ("S(0)", "S(1)", "('dp_shard', 'tp')"),
+                ("S(0)", "('dp_shard',)")} <= kinds, kinds  # column and row splits, norms on dp_shard alone

@@ -4,6 +4,8 @@ modules and ranks. Nothing here reads device memory on the host."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -11,27 +13,42 @@ from ..compat import scaler_device, scaler_state
 from ..dist import checkpoint_group, world_size
 
 
-def module_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """L2 norm of the module's gradients, on `device` (where the modules compute); for sharded (DTensor) gradients
-    the full norm over all ranks. The local norm moves to `device` before it is reduced: an offloaded module's
-    shards and gradients live on the CPU, its mesh's group on the accelerator. A module with no gradients has
-    norm 0."""
+def grad_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` that have gradients, in groups torch's norms and foreach ops each take whole: the sharded (DTensor)
+    gradients by their mesh, the plain ones (an adopted module's loose tensors, beside its sharded submodules:
+    `parallel.loose`) together. A module under tensor parallelism has several meshes: its split layers on
+    `(dp_shard, tp)`, the layers it leaves whole (norms) sharded by FSDP on `(dp_shard,)` alone."""
     from torch.distributed.tensor import DTensor
 
-    if not params:
+    groups: dict = {}
+    for param in params:
+        if param.grad is not None:
+            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
+def module_grad_norm(params: list[nn.Parameter], device: torch.device, norm_type: float = 2.0) -> torch.Tensor:
+    """The `norm_type` norm (L2 by default; inf: the largest magnitude) of the module's gradients, on `device`
+    (where the modules compute); for sharded (DTensor) gradients the full norm over all ranks. Each group of
+    `grad_groups` (one mesh, or the plain gradients) has its norm, and those norms are combined on `device` (the
+    p-norm of the group norms; no host read). The local norm moves to `device` before it is reduced: an offloaded
+    module's shards and gradients live on the CPU, its mesh's group on the accelerator. A module with no gradients
+    has norm 0."""
+    norms = [_norm([p.grad for p in group], device, norm_type) for group in grad_groups(params)]
+    if not norms:
         return torch.zeros((), device=device)
-    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
-    whole = [p.grad for p in params if not isinstance(p.grad, DTensor)]  # an adopted module's loose tensors
-    if sharded and whole:  # beside its sharded submodules (`parallel.loose`): torch norms no mix of the two
-        return torch.linalg.vector_norm(torch.stack([_norm(sharded, device), _norm(whole, device)]))
-    return _norm(sharded or whole, device)
+    if len(norms) == 1:
+        return norms[0]
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))  # groups of different dtypes
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), norm_type)
 
 
-def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _norm(grads: list[torch.Tensor], device: torch.device, norm_type: float) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import get_total_norm
 
-    norm = get_total_norm(grads)
+    norm = get_total_norm(grads, norm_type)
     if isinstance(norm, DTensor):
         local = norm.to_local()
         if local.device != device:
@@ -41,27 +58,26 @@ def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def clip_grad_norms(optimizer, limits: dict[str, float], global_limit: float | None,
-                    device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    device: torch.device | None = None, norm_type: float = 2.0
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`optimizer`: the modules' `optimizers.ModuleOptimizers`. Each module's pre-clip gradient norm on `device`
-    (default: its first parameter's), and the combined one, sqrt(sum of squares). With `global_limit` every module is clipped
-    to it by the combined norm; else each module to its own limit (0: none). An offloaded module's CPU gradients
-    are scaled by a norm on the accelerator: torch copies that one number to the host (its optimizer steps there
-    anyway)."""
-    from torch.distributed.tensor import DTensor
+    (default: its first parameter's), and the combined one (the `norm_type` norm of the modules' norms: L2,
+    sqrt(sum of squares), by default). With `global_limit` every module is clipped to it by the combined norm; else
+    each module to its own limit (0: none); each of a module's `grad_groups` is scaled by that one norm. An
+    offloaded module's CPU gradients are scaled by a norm on the accelerator: torch copies that one number to the
+    host (its optimizer steps there anyway)."""
     from torch.nn.utils import clip_grads_with_norm_
 
     optimizer.unscale_()  # fp16: true gradients before norms and clipping
     grads = {name: [p for p in params if p.grad is not None] for name, params in optimizer.params.items()}
-    norms = {name: module_grad_norm(params, device or optimizer.params[name][0].device)
+    norms = {name: module_grad_norm(params, device or optimizer.params[name][0].device, norm_type)
              for name, params in grads.items()}
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]), norm_type)
     for name, params in grads.items():
         limit, norm = (global_limit, total) if global_limit is not None else (limits[name], norms[name])
         if params and limit and limit > 0:
-            for sharded in (True, False):  # loose tensors beside sharded ones: torch's foreach takes no mix
-                group = [p for p in params if isinstance(p.grad, DTensor) == sharded]
-                if group:
-                    clip_grads_with_norm_(group, limit, norm)
+            for group in grad_groups(params):  # torch's foreach takes one mesh (or plain tensors) at a time
+                clip_grads_with_norm_(group, limit, norm)
     return norms, total
 
 
