@@ -31,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from ..dist import has_process_group, is_main
+from ..errors import OmniArgumentError
 from ..formats.interface import index_names
 from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
@@ -132,6 +133,15 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
     return jobs
 
 
+def refuse_tensor_parallel(module: nn.Module, name: str | None = None) -> None:
+    """Saving a tensor-parallel module (tensors on a mesh with a `tp` dim) is not supported yet: refused by name."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in module.parameters()):
+        raise OmniArgumentError(name or type(module).__name__, "parallelism.tp_size", "saving a tensor-parallel "
+                                "module (checkpoints, exports) is not supported yet")
+
+
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
                         dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
                         base: str | None = None, main_only: frozenset = frozenset()) -> None:
@@ -143,6 +153,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
     is written apart, `lora.base`). `main_only`: tensors the main process writes alone (only it holds them: an
     adopted model's offline module, read back from its source for the write)."""
+    refuse_tensor_parallel(module)
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)

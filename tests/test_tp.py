@@ -1,0 +1,107 @@
+"""Tensor parallelism per module (`parallelism: {dp_shard_size: S, tp_size: T}` on a `parallel: fsdp` module).
+
+Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
+the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2) and at 4 ranks (dp_shard 2 x tp 2)
+against one process on the same global batch: losses and final weights equal. In process: the refusals (each names
+the module and `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
+
+import pytest
+import torch
+import tp_scenarios
+from helpers import assert_state_close, full_state, make_args, step_losses, tiny_data, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_omni import OmniTrainer
+from hf_omni.compat import init_fake_process_group
+from hf_omni.errors import OmniArgumentError
+from hf_omni.modules.folder_write import refuse_tensor_parallel
+from hf_omni.parallel.layouts import layouts_for
+from hf_omni.parallel.mesh import dim_names, mesh_shape
+
+TP2 = {"dp_shard_size": 1, "tp_size": 2}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, launch_ranks):
+    out = tmp_path_factory.mktemp("tp")
+    launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
+    launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in tp_scenarios.SCENARIOS}
+
+
+@pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
+def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
+    model = tp_scenarios.tp_model()
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, name, single=True),
+                          train_dataset=tiny_data(model))
+    trainer.train()
+    got = launched[name]
+    assert got["losses"] == pytest.approx(step_losses(trainer), abs=1e-5)
+    assert_state_close(got["state"], full_state(model), atol=1e-5)
+    placements = got["placements"]  # transformers' plan under FSDP2 over the dp dims of (dp_shard, tp)
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+
+
+def test_mesh_appends_the_tp_dim():
+    assert mesh_shape("llm", TP2, 2) == (1, 2) and dim_names(TP2, 2) == ("dp_shard", "tp")
+    three = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
+    assert mesh_shape("llm", three, 8) == (2, 2, 2) and dim_names(three, 3) == ("dp_replicate", "dp_shard", "tp")
+    assert dim_names({"dp_replicate_size": 2, "dp_shard_size": 2}, 2) == ("dp_replicate", "dp_shard")
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism.*1 x 1 x 2 = 2, but the world size is 4"):
+        mesh_shape("llm", TP2, 4)
+
+
+@pytest.mark.parametrize("modules, module", [
+    ({"llm": {"parallel": "ddp", "parallelism": TP2}}, "llm"),
+    ({"llm": {"parallel": "none", "parallelism": TP2}}, "llm"),
+    ({"llm": {"parallel": "fsdp", "parallelism": TP2, "lora": {"r": 4, "target_modules": ["q_proj"]}}}, "llm"),
+])
+def test_refused_arguments_name_module_and_key(tmp_path, modules, module):
+    model = tiny_model()
+    with pytest.raises(OmniArgumentError, match=rf"{module}.*parallelism\.tp_size"):
+        OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
+
+
+def test_tensor_parallelism_is_per_module_only(tmp_path):
+    with pytest.raises(OmniArgumentError, match=r"parallelism\.tp_size.*per module"):
+        make_args(tmp_path, parallel="fsdp", parallelism=TP2)
+    with pytest.raises(OmniArgumentError, match=r"parallelism\.cp_size"):
+        make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": {"cp_size": 2}}})
+
+
+def test_module_without_a_plan_is_refused():
+    (layout,) = layouts_for("vision", TP2)
+    with pytest.raises(OmniArgumentError, match=r"vision.*parallelism\.tp_size.*ViTModel has no tensor-parallel plan"):
+        layout.check(tiny_model().vision)
+    layouts_for("llm", TP2)[0].check(tiny_model().llm)  # Llama has one
+
+
+def on_fake_rank(body, world: int = 2):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_fake_process_group(0, world)
+    try:
+        body(init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp")))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tied_embeddings_are_split_once_and_saving_is_refused():
+    torch.manual_seed(0)
+    llm = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=24,
+                                       tie_word_embeddings=True))
+    full = llm.lm_head.weight.detach().clone()
+
+    def split(mesh):
+        layouts_for("llm", TP2)[0].apply(llm, mesh)
+        assert llm.lm_head.weight is llm.model.embed_tokens.weight  # tied again after the split
+        assert str(llm.lm_head.weight.placements) == "(Shard(dim=0),)"
+        assert torch.equal(llm.lm_head.weight.to_local(), full[:12])  # rank 0's half of the vocab
+        with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*saving a tensor-parallel module"):
+            refuse_tensor_parallel(llm, "llm")
+
+    on_fake_rank(split)

@@ -1,0 +1,46 @@
+"""Tensor parallelism per module (tests/scripts/mp_tp.py at 2 / 4 ranks against one process, tests/test_tp.py): the
+tiny captioner's Llama split by its transformers plan inside a data-parallel composed model. The composed forward
+computes the loss from the LM's logits (the LM returns one row per input row: the boundary keeps each rank's)."""
+
+import helpers
+import torch
+from transformers.modeling_outputs import CausalLMOutput
+
+from hf_omni.testing.digits import Captioner
+
+
+class RowLossCaptioner(Captioner):
+    """Captioner whose loss is taken outside the LM, from its logits (no `**kw`: Trainer passes no loss kwargs)."""
+
+    def forward(self, input_ids, pixel_values=None, labels=None):
+        prefix = self.projector(self.encode_image(pixel_values))
+        embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
+        logits = self.llm(inputs_embeds=embeds, use_cache=False).logits
+        loss = None
+        if labels is not None:
+            labels = torch.cat([labels.new_full(prefix.shape[:2], -100), labels], dim=1)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def tp_model(seed: int = 0) -> RowLossCaptioner:
+    base = helpers.tiny_model(seed)
+    return RowLossCaptioner.from_modules(base.omni_modules(), processors=base.processors)
+
+
+def llm(parallelism: dict, **extra) -> dict:
+    return {"vision": {"learning_rate": 1e-3}, "projector": {"learning_rate": 3e-3},
+            "llm": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": parallelism, **extra}}
+
+
+COMMON = dict(max_steps=3)
+SCENARIOS = {  # name: (processes, modules, per-device batch); one process runs processes x batch rows a step
+    "tp2": (2, llm({"dp_shard_size": 1, "tp_size": 2}, max_grad_norm=0.5), 4),
+    "dp2_tp2": (4, llm({"dp_shard_size": 2, "tp_size": 2}, max_grad_norm=0.5), 2),
+}
+
+
+def args(out_dir, name: str, single: bool = False):
+    processes, modules, batch = SCENARIOS[name]
+    return helpers.make_args(out_dir, modules=modules, per_device_train_batch_size=batch * (processes if single
+                                                                                             else 1), **COMMON)
