@@ -2,7 +2,8 @@
 
 Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2) and at 4 ranks (dp_shard 2 x tp 2)
-against one process on the same global batch: losses and final weights equal. In process: the refusals (each names
+against one process on the same global batch: losses and final weights equal; and the row boundary alone on ragged
+rows (2 ranks). In process: the refusals (each names
 the module and `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
 import pytest
@@ -26,7 +27,7 @@ def launched(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("tp")
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
-    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in tp_scenarios.SCENARIOS}
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in [*tp_scenarios.SCENARIOS, "ragged"]}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
@@ -42,6 +43,15 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+
+
+def test_ragged_rows_cross_the_boundary_exactly(launched):
+    """Rank 0 runs 1 row, rank 1 runs 2 through one tp-2 Llama: loss, parameter and input gradients as one process."""
+    ranks = launched["ragged"]
+    assert [r["rows"][0] for r in ranks] == [1, 2]
+    for r in ranks:
+        assert r["loss"] < 1e-6 and r["params"] < 1e-7 and r["input"] < 1e-8, r
+        assert r["grad_scale"] > 1e-4  # the gradients compared are not all zero
 
 
 def test_mesh_appends_the_tp_dim():

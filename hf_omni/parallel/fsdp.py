@@ -9,6 +9,8 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
   does not claim to be a root itself; methods other than `forward` that the composed forward calls
   (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
+- Layouts the module's `parallelism` sizes ask for (`layouts.py`; `tp_size`: `tensor.py`) split it on their own mesh
+  dim first; FSDP2 then shards over the data-parallel dims only, and each layout installs its boundary after.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
 for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
-weights, and the llm's parameter placements."""
+weights, and the llm's parameter placements. At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows
+(rank r holds r + 1 rows) against one process, the largest differences of the loss, every parameter's gradient and
+the input gradients."""
 
+import copy
 import os
 import sys
 
@@ -29,6 +32,41 @@ def main(out_dir: str):
                        os.path.join(out_dir, f"{name}.pt"))
 
 
+def ragged(out_dir: str):
+    """A tiny Llama split by tp 2 (FSDP2 over a dp_shard of 1) and its boundary; rank r runs its own r + 1 rows.
+    Reference: the same model in this process on all rows, objective sum_r L_r / T (FSDP's average over ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_omni.parallel.tensor import TensorLayout
+
+    llm = tp_scenarios.tp_model().llm
+    reference = copy.deepcopy(llm)
+    torch.manual_seed(1)
+    full = torch.randn(3, 5, llm.config.hidden_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = full[[0]] if rank == 0 else full[1:]
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
+    layout = TensorLayout("llm", {"dp_shard_size": 1, "tp_size": world})
+    layout.apply(llm, mesh)
+    fully_shard(llm, mesh=mesh["dp_shard"])
+    layout.after_fsdp(llm, mesh, ())
+    x = mine.clone().requires_grad_()
+    loss = llm(inputs_embeds=x, use_cache=False).logits.square().mean()
+    loss.backward()
+    xs = [full[[0]].clone().requires_grad_(), full[1:].clone().requires_grad_()]
+    losses = [reference(inputs_embeds=r, use_cache=False).logits.square().mean() for r in xs]
+    (sum(losses) / world).backward()
+    grads = {name: p.grad.full_tensor() for name, p in llm.named_parameters() if p.grad is not None}  # not embeddings
+    ref = dict(reference.named_parameters())
+    diffs = {"loss": (loss - losses[rank]).abs().item(), "input": (x.grad - world * xs[rank].grad).abs().max().item(),
+             "params": max((grads[n] - ref[n].grad).abs().max().item() for n in grads),
+             "rows": tuple(x.shape), "grad_scale": ref["model.norm.weight"].grad.abs().max().item()}
+    helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    if int(os.environ["WORLD_SIZE"]) == 2:
+        ragged(sys.argv[1])
     end_distributed()
