@@ -1,8 +1,9 @@
 """Tensor parallelism per module (`parallelism: {dp_shard_size: S, tp_size: T}` on a `parallel: fsdp` module).
 
 Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
-the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2) and at 4 ranks (dp_shard 2 x tp 2)
-against one process on the same global batch: losses and final weights equal; and the row boundary alone on ragged
+the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
+activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
+and final weights equal; and the row boundary alone on ragged
 rows (2 ranks). In process: the refusals (each names
 the module and `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
@@ -43,6 +44,7 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+    assert got["checkpointing"] == ("_ac" in name)
 
 
 def test_ragged_rows_cross_the_boundary_exactly(launched):

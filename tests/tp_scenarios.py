@@ -34,13 +34,18 @@ def llm(parallelism: dict, **extra) -> dict:
 
 
 COMMON = dict(max_steps=3)
-SCENARIOS = {  # name: (processes, modules, per-device batch); one process runs processes x batch rows a step
-    "tp2": (2, llm({"dp_shard_size": 1, "tp_size": 2}, max_grad_norm=0.5), 4),
-    "dp2_tp2": (4, llm({"dp_shard_size": 2, "tp_size": 2}, max_grad_norm=0.5), 2),
+TP2, DP2_TP2 = {"dp_shard_size": 1, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}
+SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process runs the same global batch of 8
+    "tp2": (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4)),
+    "dp2_tp2": (4, llm(DP2_TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+    # accumulation windows (the boundary's collectives run every micro-step) and activation checkpointing (the
+    # recompute runs the split layers' collectives again)
+    "tp2_accumulation_ac": (2, llm(TP2, activation_checkpointing=True),
+                            dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)),
 }
 
 
 def args(out_dir, name: str, single: bool = False):
-    processes, modules, batch = SCENARIOS[name]
-    return helpers.make_args(out_dir, modules=modules, per_device_train_batch_size=batch * (processes if single
-                                                                                             else 1), **COMMON)
+    _, modules, multi = SCENARIOS[name]
+    return helpers.make_args(out_dir, modules=modules, **COMMON,
+                             **(dict(per_device_train_batch_size=8) if single else multi))

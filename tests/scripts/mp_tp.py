@@ -1,8 +1,8 @@
 """Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
 for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
-weights, and the llm's parameter placements. At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows
-(rank r holds r + 1 rows) against one process, the largest differences of the loss, every parameter's gradient and
-the input gradients."""
+weights, the llm's parameter placements and whether it recomputes (activation checkpointing). At 2 ranks also
+OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
+differences of the loss, every parameter's gradient and the input gradients."""
 
 import copy
 import os
@@ -28,7 +28,8 @@ def main(out_dir: str):
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
         state = helpers.full_state(model)
         if dist.get_rank() == 0:
-            torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements},
+            torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
+                        "checkpointing": model.llm.is_gradient_checkpointing},
                        os.path.join(out_dir, f"{name}.pt"))
 
 
