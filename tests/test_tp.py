@@ -83,11 +83,42 @@ def test_tensor_parallelism_is_per_module_only(tmp_path):
         make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": {"cp_size": 2}}})
 
 
-def test_module_without_a_plan_is_refused():
-    (layout,) = layouts_for("vision", TP2)
+def prepare_on_fake_rank(model, modules: dict, tmp_path) -> None:
+    """The driver's preparation of `model` as rank 0 of 2 (torch's fake process group: no data moves)."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_omni import OmniPlugin
+    from hf_omni.parallel.driver import apply_training_modes, prepare_modules
+
+    init_fake_process_group(0, 2)
+    try:
+        OmniPlugin(modules=modules, output_dir=str(tmp_path)).resolve(model)
+        apply_training_modes(model.slots)
+        prepare_modules(types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no"), model,
+                        fsdp_scope="module")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_module_without_a_plan_is_refused_before_anything_is_wrapped(tmp_path):
+    model = tiny_model()
+    with pytest.raises(OmniArgumentError, match=r"projector.*parallelism\.tp_size.*Projector has no tensor-parallel"):
+        prepare_on_fake_rank(model, {"vision": {"parallel": "fsdp"}, "projector": {"parallel": "fsdp",
+                                                                                    "parallelism": TP2}}, tmp_path)
+    assert type(model.vision).__name__ == "ViTModel"  # not wrapped, though it comes first
     with pytest.raises(OmniArgumentError, match=r"vision.*parallelism\.tp_size.*ViTModel has no tensor-parallel plan"):
-        layout.check(tiny_model().vision)
-    layouts_for("llm", TP2)[0].check(tiny_model().llm)  # Llama has one
+        layouts_for("vision", TP2)[0].check(model.vision)
+    layouts_for("llm", TP2)[0].check(model.llm)  # Llama has one
+
+
+def test_empty_init_module_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_OMNI_TEST_SAVED", str(tmp_path / "saved"))
+    from helpers import empty_init_model
+
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*`empty_init`"):
+        prepare_on_fake_rank(empty_init_model(), {"llm": {"parallel": "fsdp", "parallelism": TP2}}, tmp_path)
 
 
 def on_fake_rank(body, world: int = 2):
