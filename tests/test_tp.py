@@ -3,9 +3,9 @@
 Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
 activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
-and final weights equal; and the row boundary alone on ragged
-rows (2 ranks). In process: the refusals (each names
-the module and `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
+and final weights equal; saving it refused by name (a checkpoint before any file; an export when it reaches the
+module); and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
+`parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
 import pytest
 import torch
@@ -45,6 +45,9 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
     assert got["checkpointing"] == ("_ac" in name)
+    refused = "modules.llm.parallelism.tp_size: saving a tensor-parallel module"
+    assert got["refusals"]["checkpoint"].startswith(refused) and got["refusals"]["checkpoint_files"] == []
+    assert got["refusals"]["export"].startswith(refused) and "llm" not in got["refusals"]["export_files"]
 
 
 def test_ragged_rows_cross_the_boundary_exactly(launched):
@@ -148,3 +151,23 @@ def test_tied_embeddings_are_split_once_and_saving_is_refused():
             refuse_tensor_parallel(llm, "llm")
 
     on_fake_rank(split)
+
+
+def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
+    import types
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from hf_omni.parallel.boundary import Boundary
+
+    mesh = types.SimpleNamespace(get_group=lambda: None, get_local_rank=lambda: 1, size=lambda: 2)
+    boundary = Boundary("llm", mesh)
+    boundary.sizes = [1, 2]  # this rank (1) holds rows 1 and 2 of the group's 3
+    logits = torch.randn(3, 4, 5)
+    kept = boundary._keep(CausalLMOutputWithPast(logits=logits, hidden_states=(logits, logits + 1)), "output")
+    assert torch.equal(kept.logits, logits[1:]) and torch.equal(kept.hidden_states[1], logits[1:] + 1)
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*its loss \(\) is not one row per input"):
+        boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=logits), "output")
+    with pytest.raises(OmniArgumentError, match=r"llm.*its cache is a DynamicCache.*use_cache=False"):
+        boundary._keep(CausalLMOutputWithPast(logits=logits, cache=DynamicCache()), "output")

@@ -1,7 +1,7 @@
 """Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
 for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
-weights, the llm's parameter placements and whether it recomputes (activation checkpointing). At 2 ranks also
-OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
+weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and what saving it said.
+At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
 differences of the loss, every parameter's gradient and the input gradients."""
 
 import copy
@@ -14,6 +14,7 @@ import torch.distributed as dist
 import tp_scenarios
 
 from hf_omni import OmniTrainer
+from hf_omni.errors import OmniArgumentError
 from launching import end_distributed
 
 
@@ -26,10 +27,20 @@ def main(out_dir: str):
                               train_dataset=helpers.tiny_data(model))
         trainer.train()
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
+        refusals = {}  # saving a tensor-parallel module: refused on every rank, before any file
+        for kind, save in (("export", lambda: trainer.save_model(os.path.join(out_dir, name, "export"))),
+                           ("checkpoint", lambda: trainer.plugin.checkpointer.save(
+                               os.path.join(out_dir, name, "checkpoint"), trainer.optimizer, trainer.lr_scheduler))):
+            try:
+                save()
+            except OmniArgumentError as err:
+                refusals[kind] = str(err)
+            folder = os.path.join(out_dir, name, kind)
+            refusals[kind + "_files"] = os.listdir(folder) if os.path.exists(folder) else []
         state = helpers.full_state(model)
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
-                        "checkpointing": model.llm.is_gradient_checkpointing},
+                        "checkpointing": model.llm.is_gradient_checkpointing, "refusals": refusals},
                        os.path.join(out_dir, f"{name}.pt"))
 
 
