@@ -3,8 +3,8 @@
 Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
 activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
-and final weights equal; saving it refused by name (a checkpoint before any file; an export when it reaches the
-module); and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
+and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
+the run's weights; checkpointing it refused by name before any file; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
 `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
 import pytest
@@ -28,7 +28,8 @@ def launched(tmp_path_factory, launch_ranks):
     out = tmp_path_factory.mktemp("tp")
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
-    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in [*tp_scenarios.SCENARIOS, "ragged"]}
+    return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
+                           for name in [*tp_scenarios.SCENARIOS, "ragged"]}}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
@@ -47,7 +48,10 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert got["checkpointing"] == ("_ac" in name)
     refused = "modules.llm.parallelism.tp_size: saving a tensor-parallel module"
     assert got["refusals"]["checkpoint"].startswith(refused) and got["refusals"]["checkpoint_files"] == []
-    assert got["refusals"]["export"].startswith(refused) and "llm" not in got["refusals"]["export_files"]
+    # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
+    exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
+    assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
+    assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-6)
 
 
 def test_ragged_rows_cross_the_boundary_exactly(launched):
@@ -171,3 +175,20 @@ def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
         boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=logits), "output")
     with pytest.raises(OmniArgumentError, match=r"llm.*its cache is a DynamicCache.*use_cache=False"):
         boundary._keep(CausalLMOutputWithPast(logits=logits, cache=DynamicCache()), "output")
+
+
+def test_tp_replicated_tensors_are_written_once_per_tp_group():
+    """A norm on `(dp_shard,)` only is the same on every tp rank: the module's whole mesh makes tp a replica dim, so
+    tp rank 0 of 2 writes its first half of the rows (rank 1 the rest); the split layers' shares are their boxes."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_omni.modules.folder_derived import replica
+    from hf_omni.modules.folder_write import my_rows
+
+    def check(mesh):
+        norm = distribute_tensor(torch.arange(8.0), mesh["dp_shard"], [Shard(0)])
+        assert replica(norm) == (0, 1) and replica(norm, mesh) == (0, 2)
+        lo, hi, _, _ = my_rows(norm, 0, 2**21, full=mesh)
+        assert (lo, hi) == (0, 4)
+
+    on_fake_rank(check)

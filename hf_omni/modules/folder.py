@@ -150,7 +150,6 @@ def export_module(slot, folder: str, merge_lora: bool = False, is_main_process: 
 
 
 def _export_module(slot, folder: str, merge_lora: bool, is_main_process: bool, max_shard_size) -> None:
-    folder_write.refuse_tensor_parallel(slot.module, slot.name)
     lora = lora_config_of(slot.module) is not None
     merge = row_merge_plan(slot.module) if merge_lora and lora else None
     if merge_lora and lora and merge is None:
@@ -188,7 +187,6 @@ def write_frozen_source(slot, output_dir: str | None, group) -> None:
         if is_main():
             os.makedirs(folder, exist_ok=True)
             folder_write.remove_weight_files(folder)
-    folder_write.refuse_tensor_parallel(slot.module, slot.name)
     with agreed(f"module {slot.name!r}: writing {folder}", group):  # every rank its own rows
         folder_write.write_module_folder(slot.module, folder, plan_folder(slot.module), slot.processor)
     slot.record_source(folder)

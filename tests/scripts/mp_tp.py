@@ -1,6 +1,7 @@
 """Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
 for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
-weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and what saving it said.
+weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and what checkpointing it said;
+OUT_DIR/<scenario>/export: the trained model's export (every rank its share of the llm's HF folder).
 At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
 differences of the loss, every parameter's gradient and the input gradients."""
 
@@ -27,10 +28,10 @@ def main(out_dir: str):
                               train_dataset=helpers.tiny_data(model))
         trainer.train()
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
-        refusals = {}  # saving a tensor-parallel module: refused on every rank, before any file
-        for kind, save in (("export", lambda: trainer.save_model(os.path.join(out_dir, name, "export"))),
-                           ("checkpoint", lambda: trainer.plugin.checkpointer.save(
-                               os.path.join(out_dir, name, "checkpoint"), trainer.optimizer, trainer.lr_scheduler))):
+        trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
+        refusals = {}  # checkpointing a tensor-parallel module: refused on every rank, before any file
+        for kind, save in (("checkpoint", lambda: trainer.plugin.checkpointer.save(
+                               os.path.join(out_dir, name, "checkpoint"), trainer.optimizer, trainer.lr_scheduler)),):
             try:
                 save()
             except OmniArgumentError as err:
