@@ -4,7 +4,7 @@ Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's L
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
 activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
 and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
-the run's weights; checkpointing it refused by name before any file; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
+the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
 `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
 import pytest
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_omni import OmniTrainer
 from hf_omni.compat import init_fake_process_group
 from hf_omni.errors import OmniArgumentError
-from hf_omni.modules.folder_write import refuse_tensor_parallel
+from hf_omni.modules.folder_write import tensor_mesh
 from hf_omni.parallel.layouts import layouts_for
 from hf_omni.parallel.mesh import dim_names, mesh_shape
 
@@ -46,8 +46,9 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
     assert got["checkpointing"] == ("_ac" in name)
-    refused = "modules.llm.parallelism.tp_size: saving a tensor-parallel module"
-    assert got["refusals"]["checkpoint"].startswith(refused) and got["refusals"]["checkpoint_files"] == []
+    # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself
+    assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
+    assert_state_close(got["resumed"], got["state"], atol=0)
     # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
     exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
     assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
@@ -139,7 +140,7 @@ def on_fake_rank(body, world: int = 2):
         dist.destroy_process_group()
 
 
-def test_tied_embeddings_are_split_once_and_saving_is_refused():
+def test_tied_embeddings_are_split_once():
     torch.manual_seed(0)
     llm = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=24,
@@ -151,8 +152,7 @@ def test_tied_embeddings_are_split_once_and_saving_is_refused():
         assert llm.lm_head.weight is llm.model.embed_tokens.weight  # tied again after the split
         assert str(llm.lm_head.weight.placements) == "(Shard(dim=0),)"
         assert torch.equal(llm.lm_head.weight.to_local(), full[:12])  # rank 0's half of the vocab
-        with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*saving a tensor-parallel module"):
-            refuse_tensor_parallel(llm, "llm")
+        assert tensor_mesh(llm).mesh_dim_names == ("tp",)  # its writers' whole mesh (no FSDP here)
 
     on_fake_rank(split)
 

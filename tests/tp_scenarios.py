@@ -45,7 +45,10 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
-def args(out_dir, name: str, single: bool = False):
+def args(out_dir, name: str, single: bool = False, **extra):
     _, modules, multi = SCENARIOS[name]
-    return helpers.make_args(out_dir, modules=modules, **COMMON,
+    return helpers.make_args(out_dir, modules=modules, **{**COMMON, **extra},
                              **(dict(per_device_train_batch_size=8) if single else multi))
+
+
+SAVE = dict(save_strategy="steps", save_steps=2)  # the multi-rank runs' checkpoint-2: resumed there and in one process

@@ -71,8 +71,6 @@ class ModuleCheckpointer:
         every rank finished every file (with `save_async`, at the next save or `wait()`). `weights_only`
         (Trainer's `save_only_model`): module folders without `state/`, marked not resumable."""
         self.wait()
-        for slot in self.model.slots.values():  # before any file is touched
-            folder_write.refuse_tensor_parallel(slot.module, slot.name)
         with agreed(f"preparing {directory}", self.group):
             if is_main():
                 self._clear(directory)

@@ -35,7 +35,6 @@ from typing import Any
 from torch import nn
 
 from ..dist import has_process_group, is_main
-from ..errors import OmniArgumentError
 from ..formats.interface import index_names
 from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
@@ -135,13 +134,6 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
         for entry in (e for e in plan.entries if e.group == index and derived is not None):
             jobs.append((entry.file, entry.offset, derived[entry.key], entry.dtype))
     return jobs
-
-
-def refuse_tensor_parallel(module: nn.Module, name: str | None = None) -> None:
-    """Checkpointing a tensor-parallel module (tensors on a mesh with a `tp` dim) is not supported yet: refused."""
-    if tensor_mesh(module) is not None:
-        raise OmniArgumentError(name or type(module).__name__, "parallelism.tp_size", "saving a tensor-parallel "
-                                "module (checkpoints) is not supported yet")
 
 
 def tensor_mesh(module: nn.Module):

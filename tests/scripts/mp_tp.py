@@ -1,7 +1,8 @@
 """Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
 for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
-weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and what checkpointing it said;
-OUT_DIR/<scenario>/export: the trained model's export (every rank its share of the llm's HF folder).
+weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and the losses and final
+weights of a run resumed from its checkpoint-2 (a model built from another seed); OUT_DIR/<scenario>/export: the
+trained model's export (every rank its share of the llm's HF folder), OUT_DIR/<scenario>/checkpoint-2 its checkpoint.
 At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
 differences of the loss, every parameter's gradient and the input gradients."""
 
@@ -15,7 +16,6 @@ import torch.distributed as dist
 import tp_scenarios
 
 from hf_omni import OmniTrainer
-from hf_omni.errors import OmniArgumentError
 from launching import end_distributed
 
 
@@ -24,24 +24,22 @@ def main(out_dir: str):
         if processes != int(os.environ["WORLD_SIZE"]):
             continue
         model = tp_scenarios.tp_model()
-        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name),
+        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name,
+                                                                  **tp_scenarios.SAVE),
                               train_dataset=helpers.tiny_data(model))
         trainer.train()
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
         trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
-        refusals = {}  # checkpointing a tensor-parallel module: refused on every rank, before any file
-        for kind, save in (("checkpoint", lambda: trainer.plugin.checkpointer.save(
-                               os.path.join(out_dir, name, "checkpoint"), trainer.optimizer, trainer.lr_scheduler)),):
-            try:
-                save()
-            except OmniArgumentError as err:
-                refusals[kind] = str(err)
-            folder = os.path.join(out_dir, name, kind)
-            refusals[kind + "_files"] = os.listdir(folder) if os.path.exists(folder) else []
         state = helpers.full_state(model)
+        resumed = tp_scenarios.tp_model(seed=7)  # every weight comes from the checkpoint
+        again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
+                            train_dataset=helpers.tiny_data(resumed))
+        again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
+        resumed_state = helpers.full_state(resumed)
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
-                        "checkpointing": model.llm.is_gradient_checkpointing, "refusals": refusals},
+                        "checkpointing": model.llm.is_gradient_checkpointing,
+                        "resumed_losses": helpers.step_losses(again), "resumed": resumed_state},
                        os.path.join(out_dir, f"{name}.pt"))
 
 
