@@ -4,7 +4,8 @@ Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's L
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
 activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
 and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
-the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
+the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run, and resumed in
+this one process (elastic) as the run; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
 `parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
 
 import pytest
@@ -49,6 +50,13 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself
     assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
     assert_state_close(got["resumed"], got["state"], atol=0)
+    # elastic: its checkpoint-2 resumed in this one process (no tensor parallelism) ends as the multi-rank run
+    resumed = tp_scenarios.tp_model(seed=7)
+    again = OmniTrainer(model=resumed, args=tp_scenarios.args(tmp_path / "resumed", name, single=True),
+                        train_dataset=tiny_data(resumed))
+    again.train(resume_from_checkpoint=str(launched["out"] / name / "checkpoint-2"))
+    assert step_losses(again) == pytest.approx(got["losses"], abs=1e-5)
+    assert_state_close(full_state(resumed), got["state"], atol=1e-5)
     # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
     exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
     assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
