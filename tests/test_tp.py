@@ -4,9 +4,11 @@ Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's L
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
 activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
 and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
-the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run, and resumed in
-this one process (elastic) as the run; and the row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
-`parallelism.tp_size`), and the split itself as one rank of a fake process group (tied weights)."""
+the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run, resumed at another
+layout (tp 2 -> dp_shard 2 x tp 2; dp_shard 2 x tp 2 -> FSDP2 over 4) and in this one process as the run; and the
+row boundary alone on ragged rows (2 ranks). In process: the refusals (each names the module and
+`parallelism.tp_size`), the split itself as one rank of a fake process group (tied weights), who writes a
+tp-replicated tensor."""
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def launched(tmp_path_factory, launch_ranks):
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
-                           for name in [*tp_scenarios.SCENARIOS, "ragged"]}}
+                           for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged"]}}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
@@ -61,6 +63,17 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
     assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
     assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(tp_scenarios.ELASTIC))
+def test_tensor_parallel_checkpoint_resumes_at_another_layout(launched, name):
+    """tp 2 at 2 ranks -> dp_shard 2 x tp 2 at 4; dp_shard 2 x tp 2 -> FSDP2 over 4 ranks without tensor parallelism:
+    the same global batch, so the resumed run ends as the run it resumes."""
+    source = launched[tp_scenarios.ELASTIC[name][1]]
+    assert launched[name]["losses"] == pytest.approx(source["losses"], abs=1e-5)
+    assert_state_close(launched[name]["state"], source["state"], atol=1e-5)
+    assert launched[name]["q_proj"] == {"tp2_to_dp2_tp2": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+                                        "dp2_tp2_to_dp4": "(Shard(dim=0),)"}[name]
 
 
 def test_ragged_rows_cross_the_boundary_exactly(launched):

@@ -45,8 +45,14 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
+ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
+    "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
+    "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+}
+
+
 def args(out_dir, name: str, single: bool = False, **extra):
-    _, modules, multi = SCENARIOS[name]
+    _, modules, multi = SCENARIOS[name] if name in SCENARIOS else (None, *ELASTIC[name][2:])
     return helpers.make_args(out_dir, modules=modules, **{**COMMON, **extra},
                              **(dict(per_device_train_batch_size=8) if single else multi))
 

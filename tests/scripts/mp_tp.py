@@ -76,8 +76,27 @@ def ragged(out_dir: str):
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
 
 
+def elastic(out_dir: str):
+    """Each `tp_scenarios.ELASTIC` resume for this world size: another scenario's checkpoint-2 (written by an earlier
+    launch or this one) resumed at another layout; rank 0 writes OUT_DIR/<name>.pt (losses, final full weights, a
+    split layer's placements)."""
+    for name, (processes, source, _, _) in tp_scenarios.ELASTIC.items():
+        if processes != int(os.environ["WORLD_SIZE"]):
+            continue
+        model = tp_scenarios.tp_model(seed=7)
+        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name),
+                              train_dataset=helpers.tiny_data(model))
+        trainer.train(resume_from_checkpoint=os.path.join(out_dir, source, "checkpoint-2"))
+        state = helpers.full_state(model)
+        if dist.get_rank() == 0:
+            torch.save({"losses": helpers.step_losses(trainer), "state": state,
+                        "q_proj": str(model.llm.model.layers[0].self_attn.q_proj.weight.placements)},
+                       os.path.join(out_dir, f"{name}.pt"))
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    elastic(sys.argv[1])
     if int(os.environ["WORLD_SIZE"]) == 2:
         ragged(sys.argv[1])
     end_distributed()
