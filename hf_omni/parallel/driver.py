@@ -21,7 +21,6 @@ import torch
 
 from ..compat import keep_output_recording
 from ..dist import has_process_group, world_size
-from ..errors import OmniArgumentError
 from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
@@ -92,9 +91,6 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
               if STRATEGIES[kinds[slot.name]].takes_mesh and not scoped}  # every mesh error before anything is placed
     for slot in live:  # every layout's refusal too (a module without a tensor-parallel plan, ...)
         layouts = layouts_for(slot.name, slot.args.parallelism) if slot.name in shapes else []
-        if layouts and slot.is_pending:
-            raise OmniArgumentError(slot.name, "parallelism.tp_size", "an `empty_init` module split by tensor "
-                                    "parallelism is not supported yet: build it with its weights")
         for layout in layouts:
             layout.check(slot.module)
     if scoped and live:  # the top-level parallelism (every module's)

@@ -3,7 +3,8 @@ for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scen
 weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and the losses and final
 weights of a run resumed from its checkpoint-2 (a model built from another seed); OUT_DIR/<scenario>/export: the
 trained model's export (every rank its share of the llm's HF folder), OUT_DIR/<scenario>/checkpoint-2 its checkpoint.
-At 2 ranks also OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
+Then each tp_scenarios.ELASTIC resume for N ranks (OUT_DIR/<name>.pt). At 2 ranks also OUT_DIR/empty_init.pt (the tp2
+export rebuilt with empty_init and trained as tp2) and OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
 differences of the loss, every parameter's gradient and the input gradients."""
 
 import copy
@@ -94,9 +95,25 @@ def elastic(out_dir: str):
                        os.path.join(out_dir, f"{name}.pt"))
 
 
+def empty_init(out_dir: str):
+    """The tp2 run's export rebuilt with `empty_init=True` (on meta: split, sharded, then each rank reads its boxes)
+    and trained as tp2; rank 0 writes OUT_DIR/empty_init.pt (whether it was on meta, losses, final full weights)."""
+    model = tp_scenarios.RowLossCaptioner.from_pretrained(os.path.join(out_dir, "tp2", "export"), empty_init=True)
+    on_meta = all(p.is_meta for p in model.parameters())
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, "empty_init"), "tp2"),
+                          train_dataset=helpers.tiny_data(model))
+    trainer.train()
+    state = helpers.full_state(model)
+    if dist.get_rank() == 0:
+        torch.save({"on_meta": on_meta, "losses": helpers.step_losses(trainer), "state": state},
+                   os.path.join(out_dir, "empty_init.pt"))
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
     elastic(sys.argv[1])
+    if int(os.environ["WORLD_SIZE"]) == 2:
+        empty_init(sys.argv[1])
     if int(os.environ["WORLD_SIZE"]) == 2:
         ragged(sys.argv[1])
     end_distributed()
