@@ -2,7 +2,7 @@
 
 Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
 the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
-activation checkpointing) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
+activation checkpointing; with tied embeddings) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
 and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
 the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run, resumed at another
 layout (tp 2 -> dp_shard 2 x tp 2; dp_shard 2 x tp 2 -> FSDP2 over 4) and in this one process as the run; the
@@ -38,7 +38,7 @@ def launched(tmp_path_factory, launch_ranks):
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
 def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
-    model = tp_scenarios.tp_model()
+    model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
     trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, name, single=True),
                           train_dataset=tiny_data(model))
     trainer.train()
@@ -54,7 +54,7 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
     assert_state_close(got["resumed"], got["state"], atol=0)
     # elastic: its checkpoint-2 resumed in this one process (no tensor parallelism) ends as the multi-rank run
-    resumed = tp_scenarios.tp_model(seed=7)
+    resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)
     again = OmniTrainer(model=resumed, args=tp_scenarios.args(tmp_path / "resumed", name, single=True),
                         train_dataset=tiny_data(resumed))
     again.train(resume_from_checkpoint=str(launched["out"] / name / "checkpoint-2"))
@@ -63,7 +63,7 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
     exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
     assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
-    assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-6)
+    assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.ELASTIC))

@@ -23,9 +23,18 @@ class RowLossCaptioner(Captioner):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def tp_model(seed: int = 0) -> RowLossCaptioner:
+def tp_model(seed: int = 0, tied: bool = False) -> RowLossCaptioner:
+    """The tiny captioner; `tied`: its Llama with tied input embeddings and LM head (the same seed)."""
     base = helpers.tiny_model(seed)
-    return RowLossCaptioner.from_modules(base.omni_modules(), processors=base.processors)
+    modules = base.omni_modules()
+    if tied:
+        from transformers import LlamaForCausalLM
+
+        config = modules["llm"].config
+        config.tie_word_embeddings = True
+        torch.manual_seed(seed)
+        modules["llm"] = LlamaForCausalLM(config)
+    return RowLossCaptioner.from_modules(modules, processors=base.processors)
 
 
 def llm(parallelism: dict, **extra) -> dict:
@@ -45,6 +54,8 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
+TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied)
+SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
 ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
     "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
     "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),

@@ -24,7 +24,7 @@ def main(out_dir: str):
     for name, (processes, _, _) in tp_scenarios.SCENARIOS.items():
         if processes != int(os.environ["WORLD_SIZE"]):
             continue
-        model = tp_scenarios.tp_model()
+        model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
         trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name,
                                                                   **tp_scenarios.SAVE),
                               train_dataset=helpers.tiny_data(model))
@@ -32,7 +32,7 @@ def main(out_dir: str):
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
         trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
         state = helpers.full_state(model)
-        resumed = tp_scenarios.tp_model(seed=7)  # every weight comes from the checkpoint
+        resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)  # every weight from the checkpoint
         again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
                             train_dataset=helpers.tiny_data(resumed))
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
