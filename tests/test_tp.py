@@ -50,6 +50,7 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
     assert got["checkpointing"] == ("_ac" in name)
+    assert got["save_async"] == tp_scenarios.save(name)["save_async"]  # checkpoint-2 by the writer thread
     # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself
     assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
     assert_state_close(got["resumed"], got["state"], atol=0)

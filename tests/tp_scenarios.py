@@ -54,7 +54,8 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
-TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied)
+TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
+# saved by the writer thread, `save`)
 SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
 ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
     "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
@@ -68,4 +69,6 @@ def args(out_dir, name: str, single: bool = False, **extra):
                              **(dict(per_device_train_batch_size=8) if single else multi))
 
 
-SAVE = dict(save_strategy="steps", save_steps=2)  # the multi-rank runs' checkpoint-2: resumed there and in one process
+def save(name: str) -> dict:
+    """The multi-rank runs' checkpoint-2 (resumed there and in one process); tp2_tied saves asynchronously."""
+    return dict(save_strategy="steps", save_steps=2, save_async=name == "tp2_tied")

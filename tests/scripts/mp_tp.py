@@ -26,7 +26,7 @@ def main(out_dir: str):
             continue
         model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
         trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name,
-                                                                  **tp_scenarios.SAVE),
+                                                                  **tp_scenarios.save(name)),
                               train_dataset=helpers.tiny_data(model))
         trainer.train()
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
@@ -40,6 +40,7 @@ def main(out_dir: str):
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
                         "checkpointing": model.llm.is_gradient_checkpointing,
+                        "save_async": trainer.plugin.checkpointer.save_async,
                         "resumed_losses": helpers.step_losses(again), "resumed": resumed_state},
                        os.path.join(out_dir, f"{name}.pt"))
 
