@@ -90,7 +90,7 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
 
 
 def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo: bool, merge: dict | None,
-          buffers: set, files, failed: list, full=None) -> list:
+          buffers: set, files, failed: list, whole_mesh=None) -> list:
     """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
     each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
     tensor redistributed off dim 0 is written to `files` at once (a save without pipeline) and let go; an OSError
@@ -104,7 +104,7 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
         source = tensors[entry.source]
         spec = merge.get(entry.source) if merge else None
         rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
-        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers, full)  # every rank, in plan order
+        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers, whole_mesh)  # every rank, in plan order
         if share is None:
             continue
         lo, hi, local, first = share
