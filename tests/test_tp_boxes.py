@@ -104,8 +104,10 @@ def test_what_a_box_cannot_describe_is_refused_by_name():
         row_split = DTensor.from_local(torch.empty(4, 3), mesh, (Shard(0), Shard(1)), run_check=False,
                                        shape=torch.Size((8, COLUMNS)), stride=(COLUMNS, 1))
         assert local_box(row_split) == (slice(0, 4), slice(0, 3))  # two dims each cut once: a box already
+        columns_twice = DTensor.from_local(torch.empty(8, 2), mesh, (Shard(1), Shard(1)), run_check=False,
+                                           shape=torch.Size((8, COLUMNS)), stride=(COLUMNS, 1))
         with pytest.raises(NotImplementedError, match="one mesh dim shards one tensor dim"):
-            as_rows(row_split)  # refused before any collective
+            as_rows(columns_twice)  # refused before any collective (a row split is gathered over its column dim)
 
     on_mesh((2, 2), 0, check)
 

@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 from ..errors import OmniArgumentError
 from ..hub.ids import LAYOUTS
 from ..keys import as_number, check_type, default_of, merge_overlay
+from ..parallel.mesh import tp_size
 from ..parallel.strategy import STRATEGIES, check_settings
 from .fields import COMPILE, REFUSALS
 from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_key, field_help
@@ -123,6 +124,9 @@ class OmniTrainingArguments(TrainingArguments):
                                         "one (on the meta device) included: use fsdp_scope: module")
         for name, value in self.module_defaults().items():
             check_module_key(None, name, value)
+        if tp_size(self.module_defaults().get("parallelism")) > 1:
+            raise OmniArgumentError(None, "parallelism.tp_size", "tensor parallelism is per module: set it under "
+                                    "modules.<name>.parallelism (the rest of the composed model is data parallel)")
         if self.modules is None:
             self.modules = {}
         check_type(None, "modules", self.modules, (dict,))
@@ -139,10 +143,14 @@ class OmniTrainingArguments(TrainingArguments):
             for key in {cls.settings_key for cls in STRATEGIES.values() if cls.settings_key}:
                 if overlay.get(key):  # a strategy's settings merged with the top level must still agree
                     check_settings(name, key, merge_overlay(getattr(self, key, None) or {}, overlay[key]))
+            parallel = overlay.get("parallel", self.parallel)
+            if tp_size(overlay.get("parallelism")) > 1 and parallel != "fsdp":
+                raise OmniArgumentError(name, "parallelism.tp_size", "tensor parallelism is composed under FSDP2: it "
+                                        f"needs `parallel: fsdp`; this module is `parallel: {parallel}`")
             if "parallelism" in overlay and overlay["parallelism"] is not None and \
-                    not STRATEGIES[overlay.get("parallel", self.parallel)].takes_mesh:
+                    not STRATEGIES[parallel].takes_mesh:
                 raise OmniArgumentError(name, "parallelism", "sets a mesh for `parallel: fsdp` modules; this one is "
-                                        f"`parallel: {overlay.get('parallel', self.parallel)}`")
+                                        f"`parallel: {parallel}`")
             if self.fsdp_scope == "model":
                 for key in ("parallel", "fsdp_plugin", "parallelism"):
                     if key in overlay:
@@ -186,6 +194,10 @@ class OmniTrainingArguments(TrainingArguments):
                 values["lora"] = None
             margs = ModuleArguments(name=name, trainable=trainable, lora_from_module=overlay.get("lora") is not None,
                                     parallel_from_module="parallel" in overlay, **values)
+            if margs.lora is not None and tp_size(margs.parallelism) > 1:
+                raise OmniArgumentError(name, "parallelism.tp_size", "LoRA on a tensor-parallel module is not "
+                                        "supported yet (PEFT 0.21 fails on row-wise split layers; its column-wise "
+                                        "adapters need one seeded init): drop `lora` or `tp_size` for this module")
             for cls in STRATEGIES.values():  # settings merged from several levels must agree (min_num_params + classes)
                 margs.strategy_settings(cls)
             resolved[name] = margs

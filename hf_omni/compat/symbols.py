@@ -41,6 +41,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),
     ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
     ("diffusers", "diffusers.models.modeling_utils.ModelMixin._supports_gradient_checkpointing"),
+    ("transformers", "transformers.PreTrainedModel._resolve_parallel_plans"),
 ]
 
 

@@ -28,15 +28,18 @@ def sharded(tensor) -> bool:
     return hasattr(tensor, "placements") and any(isinstance(p, Shard) for p in tensor.placements)
 
 
-def replica(tensor) -> tuple[int, int]:
-    """(this rank's replica index, replica count) over the mesh dimensions where `tensor` is replicated."""
+def replica(tensor, full=None) -> tuple[int, int]:
+    """(this rank's replica index, replica count) over the mesh dimensions where `tensor` is replicated; `full`: the
+    module's whole mesh (tensor parallelism), whose dims `tensor`'s mesh lacks are replicas too (a norm on
+    `(dp_shard,)` is the same on every `tp` rank)."""
     from torch.distributed.tensor import Replicate
 
-    index, count = 0, 1
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            index, count = index * tensor.device_mesh.size(dim) + tensor.device_mesh.get_local_rank(dim), \
-                count * tensor.device_mesh.size(dim)
+    mesh, index, count = tensor.device_mesh, 0, 1
+    dims = [(mesh, d) for d, p in enumerate(tensor.placements) if isinstance(p, Replicate)]
+    names = mesh.mesh_dim_names or ()
+    dims += [(full, d) for d, n in enumerate(full.mesh_dim_names) if n not in names] if full is not None else []
+    for where, dim in dims:
+        index, count = index * where.size(dim) + where.get_local_rank(dim), count * where.size(dim)
     return index, count
 
 

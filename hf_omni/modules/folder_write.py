@@ -5,6 +5,10 @@ Who writes which bytes of a tensor written as is:
   write 1/R of its rows; sharded on another dim (`Shard(d)`, d > 0): the files are row-major, so it is first
   redistributed to dim-0 shards (`shards.box.as_rows`: one all-to-all per such tensor, every rank of its mesh in
   plan order, each sending and receiving about its shard's bytes), then written as one sharded on dim 0;
+- tensor parallel (`tensor_mesh`): a column slice `(_StridedShard(0), Shard(0))` is one box of rows, written as
+  such; a row slice `(Shard(0), Shard(1))` is gathered over `tp` to its dim-0 shard's full rows (`as_rows`: each rank
+  receives (T-1)/T of 1/S of the tensor), which its T tp ranks split as replicas; a tensor on fewer mesh dims than
+  the module (a norm on `(dp_shard,)`) is a replica over the others: its rows are split over the tp group;
 - held whole by every rank (DDP, frozen, no process group): its rows are split over the ranks, a small one
   (under 1 MiB, or fewer rows than ranks) goes whole to one rank, round robin; a buffer goes whole to rank 0
   (running statistics may differ between ranks: a checkpoint holds rank 0's).
@@ -62,19 +66,19 @@ def has_shards(module: nn.Module) -> bool:
     return any(sharded(t) for t in module_tensors(module).values())
 
 
-def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool = False
+def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool = False, full=None
             ) -> tuple[int, int, Any, int] | None:
     """The rows [lo, hi) of `tensor` (its `number`-th entry in the plan) this rank writes, with the local tensor
     they are read from and the global row of its row 0; None: nothing. `solo`: this process writes everything.
     A `buffer` not sharded is rank 0's (BatchNorm statistics may differ between ranks: a checkpoint holds rank 0's).
     A tensor sharded off dim 0 is redistributed to dim-0 shards first (`as_rows`: every rank of its mesh calls this
-    for it, in plan order)."""
+    for it, in plan order). `full`: a tensor-parallel module's whole mesh (`tensor_mesh`)."""
     rank, world = rank_world(solo)
     rows = tensor.shape[0] if tensor.ndim else 1
     if sharded(tensor):
         tensor = as_rows(tensor)
         start, stop = local_rows(tensor)
-        lo, hi = _chunk(start, stop, *replica(tensor))
+        lo, hi = _chunk(start, stop, *replica(tensor, full))
         return (lo, hi, tensor.to_local(), start) if hi > lo else None
     local = local_of(tensor)
     if buffer:
@@ -86,7 +90,7 @@ def my_rows(tensor, number: int, nbytes: int, solo: bool = False, buffer: bool =
 
 
 def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo: bool, merge: dict | None,
-          buffers: set, files, failed: list) -> list:
+          buffers: set, files, failed: list, whole_mesh=None) -> list:
     """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
     each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
     tensor redistributed off dim 0 is written to `files` at once (a save without pipeline) and let go; an OSError
@@ -100,7 +104,7 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
         source = tensors[entry.source]
         spec = merge.get(entry.source) if merge else None
         rowed = {n: as_rows(tensors[n]) for n in (spec.b, spec.magnitude, spec.copy) if n} if spec else {}
-        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers)  # every rank, in plan order
+        share = my_rows(source, number, entry.nbytes, solo, entry.source in buffers, whole_mesh)  # every rank, in plan order
         if share is None:
             continue
         lo, hi, local, first = share
@@ -132,6 +136,14 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
     return jobs
 
 
+def tensor_mesh(module: nn.Module):
+    """A tensor-parallel module's whole mesh (the largest of its tensors' meshes with a `tp` dim: `(dp_shard, tp)`),
+    None for any other module. Its tensors on fewer dims are replicas over the rest (`replica`)."""
+    meshes = [t.device_mesh for t in module_tensors(module).values()
+              if hasattr(t, "device_mesh") and "tp" in (t.device_mesh.mesh_dim_names or ())]
+    return max(meshes, key=lambda m: m.ndim, default=None)
+
+
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
                         dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
                         base: str | None = None, main_only: frozenset = frozenset()) -> None:
@@ -149,7 +161,8 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     buffers = {name for name, _ in module.named_buffers()} | set(main_only)  # rank 0's
     files, failed = Files(folder) if pipeline is None else None, []  # saved now: a redistributed share at once
     try:  # fds of shares written already are closed whatever fails
-        jobs = _jobs(module, plan, tensors, dtypes, solo, merge, buffers, files, failed)
+        jobs = _jobs(module, plan, tensors, dtypes, solo, merge, buffers, files, failed,
+                     tensor_mesh(module))
     except BaseException:
         if files is not None:
             files.close()

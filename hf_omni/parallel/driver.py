@@ -5,6 +5,9 @@
     plan: a strategy name per module             (no process group: none everywhere)
     read whole what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards (empty_init)
 
+Every refusal that needs the modules (a mesh that does not fit the world, a layout a module cannot take: no
+tensor-parallel plan) comes before anything is placed or wrapped.
+
 Each module's slot records what was applied (`ModuleSlot.wrapped(strategy)`); `Prepared` is what the composed model
 needs at run time (the device, whether gradients sync now, `no_sync` over the strategies that sync).
 """
@@ -22,7 +25,8 @@ from ..modules.precision import apply_master_dtype, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
 from ..tuning.modes import apply_training_mode
-from .mesh import Meshes, mesh_shape
+from .layouts import layouts_for
+from .mesh import Meshes, dim_names, mesh_shape
 from .nesting import apply_order
 from .strategy import MODEL_SCOPE, STRATEGIES, Strategy
 
@@ -85,6 +89,10 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     scoped = fsdp_scope == "model" and has_process_group()
     shapes = {slot.name: mesh_shape(slot.name, slot.args.parallelism, world_size()) for slot in live
               if STRATEGIES[kinds[slot.name]].takes_mesh and not scoped}  # every mesh error before anything is placed
+    for slot in live:  # every layout's refusal too (a module without a tensor-parallel plan, ...)
+        layouts = layouts_for(slot.name, slot.args.parallelism) if slot.name in shapes else []
+        for layout in layouts:
+            layout.check(slot.module)
     if scoped and live:  # the top-level parallelism (every module's)
         shapes[MODEL_SCOPE] = mesh_shape(None, live[0].args.parallelism, world_size())
     meshes = Meshes(device.type, timeout_s)
@@ -113,7 +121,8 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
             slot.wrapped(strategy)
     else:
         for slot in apply_order(live, kinds):  # adopted models: carved-out modules first
-            mesh = meshes.get(shapes[slot.name]) if slot.name in shapes else None
+            shape = shapes.get(slot.name)
+            mesh = meshes.get(shape, dim_names(slot.args.parallelism, len(shape))) if shape else None
             strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later)
             if slot.args.sync_each_batch is not None:
                 strategy.sync_each_batch = slot.args.sync_each_batch

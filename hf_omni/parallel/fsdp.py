@@ -9,6 +9,8 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
   does not claim to be a root itself; methods other than `forward` that the composed forward calls
   (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
+- Layouts the module's `parallelism` sizes ask for (`layouts.py`; `tp_size`: `tensor.py`) split it on their own mesh
+  dim first; FSDP2 then shards over the data-parallel dims only, and each layout installs its boundary after.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..modules.classes import embeddings_of
 from ..modules.units import RootedModule, roots_of, run_roots
 from .fsdp_settings import FsdpSettings, build_plugin
 from . import placement
+from .layouts import data_mesh, layouts_for
 from .loose import replicate_loose
 from .strategy import MODEL_SCOPE, Strategy, register
 
@@ -43,6 +46,7 @@ class FsdpStrategy(Strategy):
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):
         super().__init__(module_name, settings, mesh)
+        self.layouts = []  # what `parallelism` composes under FSDP2 (tensor parallelism), set by `for_module`
         self.lazy_init = lazy_init
         self.compute = compute  # the run's compute dtype (bf16: parameters gathered in bf16 unless set otherwise)
         self.plugin = self.module = self.loose = None
@@ -50,7 +54,9 @@ class FsdpStrategy(Strategy):
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
         compute = slot.precision.compute if slot.precision is not None else None
-        return cls(slot.name, slot.settings, mesh, lazy_init, compute)
+        strategy = cls(slot.name, slot.settings, mesh, lazy_init, compute)
+        strategy.layouts = layouts_for(slot.name, slot.args.parallelism)
+        return strategy
 
     @classmethod
     def for_model(cls, settings: FsdpSettings, mesh, compute: torch.dtype | None) -> "FsdpStrategy":
@@ -77,8 +83,15 @@ class FsdpStrategy(Strategy):
         return torch.device("cpu") if self.settings.cpu_offload else device
 
     def apply(self, module: nn.Module, device: torch.device) -> None:
+        for layout in self.layouts:  # every refusal before anything is split
+            layout.check(module)
+        for layout in self.layouts:
+            layout.apply(module, self.mesh)
         self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
-        shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init, mesh=self.mesh)
+        shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init,
+              mesh=data_mesh(self.mesh, self.layouts))
+        for layout in self.layouts:
+            layout.after_fsdp(module, self.mesh, FORWARD_METHODS)
         self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
         self.module = module
 
@@ -137,7 +150,7 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
                     fully_shard(sub, **kwargs)
     embed = embeddings_of(module)
     grouped: dict[int, int] = {}  # module -> the first module of its unit, for units of several modules
-    if embed is not None and not is_sharded(embed):  # not inside a unit already (ViTEmbeddings)
+    if embed is not None and not in_unit(embed):  # not inside a unit already (ViTEmbeddings)
         holders = holders_of(module, embed)  # tied weights (lm_head, T5's shared): one unit for all their holders
         fully_shard(holders, **kwargs)
         grouped.update((id(h), id(holders[0])) for h in holders)
@@ -180,7 +193,7 @@ def holders_of(module: nn.Module, sub: nn.Module) -> list[nn.Module]:
     params = {id(p) for p in sub.parameters()}
     out = [sub]
     for other in module.modules():
-        if other is not sub and other not in out and not is_sharded(other) and any(
+        if other is not sub and other not in out and not in_unit(other) and any(
                 id(p) in params for _, _, p in own_tensors(other, buffers=False)):
             out.append(other)
     return out
@@ -205,6 +218,13 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
                 raise OmniArgumentError(name, "fsdp_plugin.transformer_cls_names_to_wrap", (
                     f"{first[0]} and {tensor} are one tied parameter, but would lie in two FSDP units: wrap a layer "
                     "class that holds both, or untie them"))
+
+
+def in_unit(module: nn.Module) -> bool:
+    """Its parameters are in an FSDP unit already (DTensors on more than a tensor-parallel mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and p.device_mesh.mesh_dim_names != ("tp",) for p in module.parameters())
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -1,11 +1,10 @@
 """Per-module device meshes for `parallel: fsdp` modules, set by a module's `parallelism` entry with the field
 names and rules of Accelerate's `ParallelismConfig`: `{dp_shard_size: N}` shards over N ranks (the default: the
 whole world); `{dp_replicate_size: R, dp_shard_size: S}` is HSDP (`fully_shard` on an R x S mesh: shards within
-groups of S ranks, replicas across them). R x S must equal the world size: every mesh spans every rank, and every
-rank runs every module on its own batch. A replicate-only entry is `parallel: ddp`'s job; tensor, context and
-sequence parallelism are refused (they would need activations moved between module boundaries).
-Meshes are built once per distinct shape, on every rank in the same order, and shared between modules.
-"""
+groups of S ranks, replicas across them); `tp_size: T` adds tensor parallelism inside the module (its own
+transformers plan, `tensor.py`) on the innermost mesh dim `tp`. R x S x T must equal the world size: every mesh spans
+every rank. A replicate-only entry is `parallel: ddp`'s job; context and sequence parallelism are refused.
+Meshes are built once per distinct shape and dim names, on every rank in the same order, and shared between modules."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from ..errors import OmniArgumentError
 
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 DIM_NAMES = ("dp_replicate", "dp_shard")
+TP = "tp"  # the innermost dim of a tensor-parallel module's mesh
 
 
 def check_parallelism(module: str | None, value: dict) -> None:
@@ -23,25 +23,38 @@ def check_parallelism(module: str | None, value: dict) -> None:
             raise OmniArgumentError(module, f"parallelism.{key}", f"unknown key; known: {list(SIZES)}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise OmniArgumentError(module, f"parallelism.{key}", f"must be an integer >= 1, got {size!r}")
-        if key in ("tp_size", "cp_size", "sp_size") and size > 1:
-            raise OmniArgumentError(module, f"parallelism.{key}", "tensor, context and sequence parallelism are "
-                                    "not supported per module (they need activations moved between modules); "
-                                    "use dp_replicate_size / dp_shard_size")
+        if key in ("cp_size", "sp_size") and size > 1:
+            raise OmniArgumentError(module, f"parallelism.{key}", "context and sequence parallelism are not "
+                                    "supported per module (they need activations moved between modules); use "
+                                    "dp_replicate_size / dp_shard_size / tp_size")
     if value.get("dp_replicate_size", 1) > 1 and value.get("dp_shard_size", 1) == 1:
         raise OmniArgumentError(module, "parallelism.dp_shard_size", "replicas without sharding are plain data "
                                 "parallelism: use `parallel: ddp` (as Accelerate's ParallelismConfig says)")
 
 
+def tp_size(value: dict | None) -> int:
+    """The tensor-parallel size a `parallelism` entry asks for (1: none)."""
+    return (value or {}).get("tp_size", 1)
+
+
 def mesh_shape(module: str, value: dict | None, world: int) -> tuple[int, ...]:
-    """The module's mesh shape at this world size: `(S,)` for full shard, `(R, S)` for HSDP."""
+    """The module's mesh shape at this world size: `(S,)` for full shard, `(R, S)` for HSDP, then `T` appended
+    with tensor parallelism (`dim_names` names the dims)."""
     if not value:
         return (world,)
-    replicate, shard = value.get("dp_replicate_size", 1), value.get("dp_shard_size", 1)
-    if replicate * shard != world:
-        raise OmniArgumentError(module, "parallelism", f"dp_replicate_size x dp_shard_size = {replicate} x {shard} = "
-                                f"{replicate * shard}, but the world size is {world}: they must be equal (every "
-                                "module's mesh spans every rank, as Accelerate's ParallelismConfig requires)")
-    return (shard,) if replicate == 1 else (replicate, shard)
+    replicate, shard, tp = value.get("dp_replicate_size", 1), value.get("dp_shard_size", 1), tp_size(value)
+    if replicate * shard * tp != world:
+        raise OmniArgumentError(module, "parallelism", f"dp_replicate_size x dp_shard_size x tp_size = {replicate} x "
+                                f"{shard} x {tp} = {replicate * shard * tp}, but the world size is {world}: they must "
+                                "be equal (every module's mesh spans every rank, as Accelerate's ParallelismConfig "
+                                "requires)")
+    return ((shard,) if replicate == 1 else (replicate, shard)) + ((tp,) if tp > 1 else ())
+
+
+def dim_names(value: dict | None, ndim: int) -> tuple[str, ...]:
+    """The dim names of a mesh of `ndim` dims for this `parallelism` entry."""
+    data = ndim - (tp_size(value) > 1)
+    return DIM_NAMES[len(DIM_NAMES) - data:] + ((TP,) if data < ndim else ())
 
 
 class Meshes:
@@ -52,14 +65,14 @@ class Meshes:
 
     def __init__(self, device_type: str, timeout_s: float | None = None):
         self.device_type, self.timeout_s = device_type, timeout_s
-        self.by_shape: dict[tuple[int, ...], object] = {}
+        self.by_shape: dict[tuple, object] = {}
 
-    def get(self, shape: tuple[int, ...]):
+    def get(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
         from torch.distributed.device_mesh import init_device_mesh
 
-        if shape not in self.by_shape:
-            names = DIM_NAMES[-len(shape):]
+        names = names or DIM_NAMES[-len(shape):]
+        if (shape, names) not in self.by_shape:
             override = group_options(self.device_type, self.timeout_s) if self.timeout_s and len(shape) > 1 else None
             kwargs = {"backend_override": dict.fromkeys(range(len(shape)), override)} if override else {}
-            self.by_shape[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names, **kwargs)
-        return self.by_shape[shape]
+            self.by_shape[shape, names] = init_device_mesh(self.device_type, shape, mesh_dim_names=names, **kwargs)
+        return self.by_shape[shape, names]

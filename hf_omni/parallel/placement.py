@@ -34,10 +34,13 @@ def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
 
 def placement_fn(ranks: int):
     """`fully_shard`'s `shard_placement_fn` for a shard group of `ranks`: `Shard(shard_dim(...))`, or None (FSDP2's
-    default, dim 0) where the rule keeps dim 0."""
-    from torch.distributed.tensor import Shard
+    default, dim 0) where the rule keeps dim 0, and for a tensor-parallel split (a DTensor already: FSDP2 nests its
+    rows inside the tensor-parallel ones, the layout `shards/box.py` reads)."""
+    from torch.distributed.tensor import DTensor, Shard
 
     def place(param):
+        if isinstance(param, DTensor):
+            return None
         dim = shard_dim(tuple(param.shape), ranks)
         return Shard(dim) if dim else None
 

@@ -118,15 +118,22 @@ def as_rows(tensor):
     costs one all-to-all of the tensor's shards (NCCL: each rank sends and receives about its shard's bytes) and one
     extra shard held while the result lives. It runs on the device the mesh serves (an offloaded module's shards go
 there and back: `device.on_group_device`). gloo (CPU) has no all-to-all: torch all-gathers the tensor over the
-    shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on two dims
-    or a dim sharded by several mesh dims (off dim 0) is refused."""
+    shard group and keeps its chunk, so each rank briefly holds that one tensor whole. A tensor sharded on dim 0 and
+    on others (tensor parallelism's rowwise `(Shard(0), Shard(1))` on `(dp_shard, tp)`): its other dims gathered
+    (an all-gather over `tp`: each rank receives and holds its dim-0 shard's full rows, 1/S of the tensor, then
+    writes 1/T of them as a replica). Two dims off dim 0, or one cut by several mesh dims, are refused."""
     if not sharded_off_rows(tensor):
         return tensor
     from torch.distributed.tensor import Shard
 
+    from torch.distributed.tensor import Replicate
+
     dims = shard_dims(tensor)
-    if len(dims) > 1 or any(len(mesh_dims) > 1 for mesh_dims in dims.values()):
+    if 0 in dims:  # tensor parallelism's rowwise (Shard(0), Shard(1)): gathered over the mesh dims cutting the rest
+        placements = [Replicate() if isinstance(p, Shard) and p.dim % tensor.ndim else p for p in tensor.placements]
+    elif len(dims) > 1 or any(len(mesh_dims) > 1 for mesh_dims in dims.values()):
         raise NotImplementedError(f"hf_omni writes a tensor sharded off dim 0 only when one mesh dim shards one "
-                                  f"tensor dim, got {tensor.placements}")
-    placements = [Shard(0) if isinstance(p, Shard) else p for p in tensor.placements]
+                                  f"tensor dim, or dim 0 is sharded too, got {tensor.placements}")
+    else:
+        placements = [Shard(0) if isinstance(p, Shard) else p for p in tensor.placements]
     return on_group_device(lambda t: t.redistribute(t.device_mesh, placements), tensor.detach())

@@ -1,0 +1,142 @@
+"""The boundary of a tensor-parallel module: the rest of the composed model is data parallel over every rank (each
+its own rows), while a tensor-parallel module's ranks must run one batch together. So the ranks of one TP group
+gather their row inputs (the module runs once on the group's concatenated rows) and each keeps its own rows of the
+row outputs.
+
+Backward: transformers' styles assume the output gradient is the same on every rank of the group (their
+`Partial -> Replicate` backward is local, norms are plain replicas), so `KeepRows`' backward gathers the rows'
+gradients over the group, scaled by 1/T; `GatherRows`' backward is then a local slice, scaled back by T. FSDP's
+average over the data-parallel dims then equals the mean over every rank's rows, as for a data-parallel module.
+Ragged groups (ranks with different row counts) are exact; trailing dims must agree (a row tensor whose other dims
+differ across the group is refused by name). Outputs that are not one row per input row (a loss computed inside the
+module, a cache) are refused by name: compute them outside the module from its own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import OmniArgumentError
+
+KEY = "parallelism.tp_size"
+SHAPES = 64  # ints of shape metadata each rank sends (rows, then each row tensor's dims)
+
+
+def _gather(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """The group's rows of `x` in rank order (padded to the largest, so gloo's all_gather takes them)."""
+    flag = x.dtype == torch.bool  # gloo gathers no bool
+    x = x.to(torch.uint8) if flag else x
+    pad = x.new_zeros((max(sizes), *x.shape[1:]))
+    pad[: x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(parts, pad.contiguous(), group=group)
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+    return out.bool() if flag else out
+
+
+class GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes, me):
+        ctx.lo, ctx.hi, ctx.T = sum(sizes[:me]), sum(sizes[: me + 1]), len(sizes)
+        return _gather(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.lo: ctx.hi] * ctx.T, None, None, None
+
+
+class KeepRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, sizes, me):
+        ctx.group, ctx.sizes = group, sizes
+        return y[sum(sizes[:me]): sum(sizes[: me + 1])].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad.contiguous(), ctx.group, ctx.sizes) / len(ctx.sizes), None, None, None
+
+
+class Boundary:
+    """Hooks around a tensor-parallel module's forward and its input embeddings' (which a composed forward calls
+    first): only the outermost call gathers (the module's own call of its embeddings runs on gathered rows)."""
+
+    def __init__(self, module_name: str, tp_mesh):
+        self.module_name, self.group = module_name, tp_mesh.get_group()
+        self.me, self.size = tp_mesh.get_local_rank(), tp_mesh.size()
+        self.depth, self.sizes = 0, None
+
+    def install(self, *modules: nn.Module) -> None:
+        for module in modules:
+            module.register_forward_pre_hook(self.before, with_kwargs=True)
+            module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
+
+    def refuse(self, what: str) -> OmniArgumentError:
+        return OmniArgumentError(self.module_name, KEY, what)
+
+    def before(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth > 1:
+            return None
+        try:
+            return self._gather_inputs(args, kwargs)
+        except BaseException:
+            self.depth = 0
+            raise
+
+    def _gather_inputs(self, args, kwargs):
+        named = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+        first = next((v for _, v in named if isinstance(v, torch.Tensor) and v.ndim), None)
+        if first is None:
+            raise self.refuse("a tensor-parallel module's forward takes its rows as tensors; none was given")
+        rows = first.shape[0]
+        keys = [k for k, v in named if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows]
+        mine = [rows] + [d for k in keys for d in (dict(named)[k].ndim, *dict(named)[k].shape[1:])]
+        if len(mine) > SHAPES:
+            raise self.refuse(f"more row inputs than the boundary describes ({keys})")
+        meta = torch.tensor(mine + [-1] * (SHAPES - len(mine)), dtype=torch.int64, device=first.device)
+        every = [torch.empty_like(meta) for _ in range(self.size)]
+        dist.all_gather(every, meta, group=self.group)
+        if any(not torch.equal(other[1:], meta[1:]) for other in every):
+            raise self.refuse(f"the ranks of one tensor-parallel group call it with row inputs {keys} whose other "
+                              "dims (or number) differ (pad them to one length across the group)")
+        self.sizes = [int(other[0]) for other in every]
+        gathered = {k: GatherRows.apply(dict(named)[k], self.group, self.sizes, self.me) for k in keys}
+        args = tuple(gathered.get(f"argument {i}", v) for i, v in enumerate(args))
+        return args, {k: gathered.get(k, v) for k, v in kwargs.items()}
+
+    def after(self, module, args, kwargs, output):
+        try:
+            return self._keep(output, "output") if self.depth == 1 and self.sizes is not None else None
+        finally:
+            self.depth -= 1
+
+    def _keep(self, value, key: str):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            if value.ndim and value.shape[0] == sum(self.sizes):
+                return KeepRows.apply(value, self.group, self.sizes, self.me)
+            raise self.refuse(f"its {key} {tuple(value.shape)} is not one row per input row (a loss or statistic "
+                              "computed inside the module): compute it outside the module from its own rows (for "
+                              "a causal LM: pass no labels, take the loss from the logits)")
+        if isinstance(value, dict):  # ModelOutput too: its fields are its items
+            for name in list(value.keys()):
+                value[name] = self._keep(value[name], name)
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._keep(v, f"{key}[{i}]") for i, v in enumerate(value))
+        raise self.refuse(f"its {key} is a {type(value).__name__}, which the tensor-parallel boundary cannot split "
+                          "by rows (a cache: pass use_cache=False)")
+
+
+def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...]) -> None:
+    """Methods other than `forward` that a composed forward may call (`generate`, ...) have no boundary yet: each
+    present one raises, naming the module and key, when called."""
+    for method in methods:
+        if callable(getattr(root, method, None)):
+            def refused(*args, _method=method, **kwargs):
+                raise OmniArgumentError(module_name, KEY, f"`{_method}` of a tensor-parallel module is not supported "
+                                        "yet (only `forward` and its input embeddings have the row boundary)")
+            setattr(root, method, refused)

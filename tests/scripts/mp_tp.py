@@ -1,0 +1,120 @@
+"""Run under `accelerate launch --multi_gpu --num_processes N` (gloo, use_cpu): every tests/tp_scenarios.py scenario
+for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scenario>.pt: step losses, final full
+weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and the losses and final
+weights of a run resumed from its checkpoint-2 (a model built from another seed); OUT_DIR/<scenario>/export: the
+trained model's export (every rank its share of the llm's HF folder), OUT_DIR/<scenario>/checkpoint-2 its checkpoint.
+Then each tp_scenarios.ELASTIC resume for N ranks (OUT_DIR/<name>.pt). At 2 ranks also OUT_DIR/empty_init.pt (the tp2
+export rebuilt with empty_init and trained as tp2) and OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
+differences of the loss, every parameter's gradient and the input gradients."""
+
+import copy
+import os
+import sys
+
+import helpers
+import torch
+import torch.distributed as dist
+import tp_scenarios
+
+from hf_omni import OmniTrainer
+from launching import end_distributed
+
+
+def main(out_dir: str):
+    for name, (processes, _, _) in tp_scenarios.SCENARIOS.items():
+        if processes != int(os.environ["WORLD_SIZE"]):
+            continue
+        model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
+        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name,
+                                                                  **tp_scenarios.save(name)),
+                              train_dataset=helpers.tiny_data(model))
+        trainer.train()
+        placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
+        trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
+        state = helpers.full_state(model)
+        resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)  # every weight from the checkpoint
+        again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
+                            train_dataset=helpers.tiny_data(resumed))
+        again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
+        resumed_state = helpers.full_state(resumed)
+        if dist.get_rank() == 0:
+            torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
+                        "checkpointing": model.llm.is_gradient_checkpointing,
+                        "save_async": trainer.plugin.checkpointer.save_async,
+                        "resumed_losses": helpers.step_losses(again), "resumed": resumed_state},
+                       os.path.join(out_dir, f"{name}.pt"))
+
+
+def ragged(out_dir: str):
+    """A tiny Llama split by tp 2 (FSDP2 over a dp_shard of 1) and its boundary; rank r runs its own r + 1 rows.
+    Reference: the same model in this process on all rows, objective sum_r L_r / T (FSDP's average over ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_omni.parallel.tensor import TensorLayout
+
+    llm = tp_scenarios.tp_model().llm
+    reference = copy.deepcopy(llm)
+    torch.manual_seed(1)
+    full = torch.randn(3, 5, llm.config.hidden_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = full[[0]] if rank == 0 else full[1:]
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
+    layout = TensorLayout("llm", {"dp_shard_size": 1, "tp_size": world})
+    layout.apply(llm, mesh)
+    fully_shard(llm, mesh=mesh["dp_shard"])
+    layout.after_fsdp(llm, mesh, ())
+    x = mine.clone().requires_grad_()
+    loss = llm(inputs_embeds=x, use_cache=False).logits.square().mean()
+    loss.backward()
+    xs = [full[[0]].clone().requires_grad_(), full[1:].clone().requires_grad_()]
+    losses = [reference(inputs_embeds=r, use_cache=False).logits.square().mean() for r in xs]
+    (sum(losses) / world).backward()
+    grads = {name: p.grad.full_tensor() for name, p in llm.named_parameters() if p.grad is not None}  # not embeddings
+    ref = dict(reference.named_parameters())
+    diffs = {"loss": (loss - losses[rank]).abs().item(), "input": (x.grad - world * xs[rank].grad).abs().max().item(),
+             "params": max((grads[n] - ref[n].grad).abs().max().item() for n in grads),
+             "rows": tuple(x.shape), "grad_scale": ref["model.norm.weight"].grad.abs().max().item()}
+    helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
+
+
+def elastic(out_dir: str):
+    """Each `tp_scenarios.ELASTIC` resume for this world size: another scenario's checkpoint-2 (written by an earlier
+    launch or this one) resumed at another layout; rank 0 writes OUT_DIR/<name>.pt (losses, final full weights, a
+    split layer's placements)."""
+    for name, (processes, source, _, _) in tp_scenarios.ELASTIC.items():
+        if processes != int(os.environ["WORLD_SIZE"]):
+            continue
+        model = tp_scenarios.tp_model(seed=7)
+        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name),
+                              train_dataset=helpers.tiny_data(model))
+        trainer.train(resume_from_checkpoint=os.path.join(out_dir, source, "checkpoint-2"))
+        state = helpers.full_state(model)
+        if dist.get_rank() == 0:
+            torch.save({"losses": helpers.step_losses(trainer), "state": state,
+                        "q_proj": str(model.llm.model.layers[0].self_attn.q_proj.weight.placements)},
+                       os.path.join(out_dir, f"{name}.pt"))
+
+
+def empty_init(out_dir: str):
+    """The tp2 run's export rebuilt with `empty_init=True` (on meta: split, sharded, then each rank reads its boxes)
+    and trained as tp2; rank 0 writes OUT_DIR/empty_init.pt (whether it was on meta, losses, final full weights)."""
+    model = tp_scenarios.RowLossCaptioner.from_pretrained(os.path.join(out_dir, "tp2", "export"), empty_init=True)
+    on_meta = all(p.is_meta for p in model.parameters())
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, "empty_init"), "tp2"),
+                          train_dataset=helpers.tiny_data(model))
+    trainer.train()
+    state = helpers.full_state(model)
+    if dist.get_rank() == 0:
+        torch.save({"on_meta": on_meta, "losses": helpers.step_losses(trainer), "state": state},
+                   os.path.join(out_dir, "empty_init.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    elastic(sys.argv[1])
+    if int(os.environ["WORLD_SIZE"]) == 2:
+        empty_init(sys.argv[1])
+    if int(os.environ["WORLD_SIZE"]) == 2:
+        ragged(sys.argv[1])
+    end_distributed()

@@ -1,0 +1,224 @@
+"""Tensor parallelism per module (`parallelism: {dp_shard_size: S, tp_size: T}` on a `parallel: fsdp` module).
+
+Launched (tests/scripts/mp_tp.py, tests/tp_scenarios.py): the tiny captioner's Llama split by its transformers plan,
+the rest of the model data parallel, trained by OmniTrainer at 2 ranks (tp 2; also with accumulation windows and
+activation checkpointing; with tied embeddings) and at 4 ranks (dp_shard 2 x tp 2) against one process on the same global batch: losses
+and final weights equal; its export (every rank its share) loads with `LlamaForCausalLM.from_pretrained` equal to
+the run's weights; a run resumed from its checkpoint at the same layout ends bitwise as the run, resumed at another
+layout (tp 2 -> dp_shard 2 x tp 2; dp_shard 2 x tp 2 -> FSDP2 over 4) and in this one process as the run; the
+export rebuilt with `empty_init` at 2 ranks trains as it loaded whole in one process; and the row boundary alone on
+ragged rows (2 ranks). In process: the refusals (each names the module and
+`parallelism.tp_size`), the split itself as one rank of a fake process group (tied weights), who writes a
+tp-replicated tensor."""
+
+import pytest
+import torch
+import tp_scenarios
+from helpers import assert_state_close, full_state, make_args, step_losses, tiny_data, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_omni import OmniTrainer
+from hf_omni.compat import init_fake_process_group
+from hf_omni.errors import OmniArgumentError
+from hf_omni.modules.folder_write import tensor_mesh
+from hf_omni.parallel.layouts import layouts_for
+from hf_omni.parallel.mesh import dim_names, mesh_shape
+
+TP2 = {"dp_shard_size": 1, "tp_size": 2}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, launch_ranks):
+    out = tmp_path_factory.mktemp("tp")
+    launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
+    launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
+    return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
+                           for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged", "empty_init"]}}
+
+
+@pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
+def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
+    model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, name, single=True),
+                          train_dataset=tiny_data(model))
+    trainer.train()
+    got = launched[name]
+    assert got["losses"] == pytest.approx(step_losses(trainer), abs=1e-5)
+    assert_state_close(got["state"], full_state(model), atol=1e-5)
+    placements = got["placements"]  # transformers' plan under FSDP2 over the dp dims of (dp_shard, tp)
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+    assert got["checkpointing"] == ("_ac" in name)
+    assert got["save_async"] == tp_scenarios.save(name)["save_async"]  # checkpoint-2 by the writer thread
+    # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself
+    assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
+    assert_state_close(got["resumed"], got["state"], atol=0)
+    # elastic: its checkpoint-2 resumed in this one process (no tensor parallelism) ends as the multi-rank run
+    resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)
+    again = OmniTrainer(model=resumed, args=tp_scenarios.args(tmp_path / "resumed", name, single=True),
+                        train_dataset=tiny_data(resumed))
+    again.train(resume_from_checkpoint=str(launched["out"] / name / "checkpoint-2"))
+    assert step_losses(again) == pytest.approx(got["losses"], abs=1e-5)
+    assert_state_close(full_state(resumed), got["state"], atol=1e-5)
+    # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
+    exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
+    assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
+    assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(tp_scenarios.ELASTIC))
+def test_tensor_parallel_checkpoint_resumes_at_another_layout(launched, name):
+    """tp 2 at 2 ranks -> dp_shard 2 x tp 2 at 4; dp_shard 2 x tp 2 -> FSDP2 over 4 ranks without tensor parallelism:
+    the same global batch, so the resumed run ends as the run it resumes."""
+    source = launched[tp_scenarios.ELASTIC[name][1]]
+    assert launched[name]["losses"] == pytest.approx(source["losses"], abs=1e-5)
+    assert_state_close(launched[name]["state"], source["state"], atol=1e-5)
+    assert launched[name]["q_proj"] == {"tp2_to_dp2_tp2": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+                                        "dp2_tp2_to_dp4": "(Shard(dim=0),)"}[name]
+
+
+def test_empty_init_tensor_parallel_module_reads_its_boxes(launched, tmp_path):
+    """The tp2 export rebuilt on meta (`empty_init`) at 2 ranks (split and sharded there, each rank reads its boxes)
+    trains as that export loaded whole in one process."""
+    got = launched["empty_init"]
+    model = tp_scenarios.RowLossCaptioner.from_pretrained(launched["out"] / "tp2" / "export")
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, "tp2", single=True),
+                          train_dataset=tiny_data(model))
+    trainer.train()
+    assert got["on_meta"]
+    assert got["losses"] == pytest.approx(step_losses(trainer), abs=1e-5)
+    llm = lambda state: {k: v for k, v in state.items() if k.startswith("llm.")}  # ViT's pooler: not in the files
+    assert_state_close(llm(got["state"]), llm(full_state(model)), atol=1e-5)
+
+
+def test_ragged_rows_cross_the_boundary_exactly(launched):
+    """Rank 0 runs 1 row, rank 1 runs 2 through one tp-2 Llama: loss, parameter and input gradients as one process."""
+    ranks = launched["ragged"]
+    assert [r["rows"][0] for r in ranks] == [1, 2]
+    for r in ranks:
+        assert r["loss"] < 1e-6 and r["params"] < 1e-7 and r["input"] < 1e-8, r
+        assert r["grad_scale"] > 1e-4  # the gradients compared are not all zero
+
+
+def test_mesh_appends_the_tp_dim():
+    assert mesh_shape("llm", TP2, 2) == (1, 2) and dim_names(TP2, 2) == ("dp_shard", "tp")
+    three = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
+    assert mesh_shape("llm", three, 8) == (2, 2, 2) and dim_names(three, 3) == ("dp_replicate", "dp_shard", "tp")
+    assert dim_names({"dp_replicate_size": 2, "dp_shard_size": 2}, 2) == ("dp_replicate", "dp_shard")
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism.*1 x 1 x 2 = 2, but the world size is 4"):
+        mesh_shape("llm", TP2, 4)
+
+
+@pytest.mark.parametrize("modules, module", [
+    ({"llm": {"parallel": "ddp", "parallelism": TP2}}, "llm"),
+    ({"llm": {"parallel": "none", "parallelism": TP2}}, "llm"),
+    ({"llm": {"parallel": "fsdp", "parallelism": TP2, "lora": {"r": 4, "target_modules": ["q_proj"]}}}, "llm"),
+])
+def test_refused_arguments_name_module_and_key(tmp_path, modules, module):
+    model = tiny_model()
+    with pytest.raises(OmniArgumentError, match=rf"{module}.*parallelism\.tp_size"):
+        OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
+
+
+def test_tensor_parallelism_is_per_module_only(tmp_path):
+    with pytest.raises(OmniArgumentError, match=r"parallelism\.tp_size.*per module"):
+        make_args(tmp_path, parallel="fsdp", parallelism=TP2)
+    with pytest.raises(OmniArgumentError, match=r"parallelism\.cp_size"):
+        make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": {"cp_size": 2}}})
+
+
+def prepare_on_fake_rank(model, modules: dict, tmp_path) -> None:
+    """The driver's preparation of `model` as rank 0 of 2 (torch's fake process group: no data moves)."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_omni import OmniPlugin
+    from hf_omni.parallel.driver import apply_training_modes, prepare_modules
+
+    init_fake_process_group(0, 2)
+    try:
+        OmniPlugin(modules=modules, output_dir=str(tmp_path)).resolve(model)
+        apply_training_modes(model.slots)
+        prepare_modules(types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no"), model,
+                        fsdp_scope="module")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_module_without_a_plan_is_refused_before_anything_is_wrapped(tmp_path):
+    model = tiny_model()
+    with pytest.raises(OmniArgumentError, match=r"projector.*parallelism\.tp_size.*Projector has no tensor-parallel"):
+        prepare_on_fake_rank(model, {"vision": {"parallel": "fsdp"}, "projector": {"parallel": "fsdp",
+                                                                                    "parallelism": TP2}}, tmp_path)
+    assert type(model.vision).__name__ == "ViTModel"  # not wrapped, though it comes first
+    with pytest.raises(OmniArgumentError, match=r"vision.*parallelism\.tp_size.*ViTModel has no tensor-parallel plan"):
+        layouts_for("vision", TP2)[0].check(model.vision)
+    layouts_for("llm", TP2)[0].check(model.llm)  # Llama has one
+
+
+def on_fake_rank(body, world: int = 2):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_fake_process_group(0, world)
+    try:
+        body(init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp")))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tied_embeddings_are_split_once():
+    torch.manual_seed(0)
+    llm = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=24,
+                                       tie_word_embeddings=True))
+    full = llm.lm_head.weight.detach().clone()
+
+    def split(mesh):
+        layouts_for("llm", TP2)[0].apply(llm, mesh)
+        assert llm.lm_head.weight is llm.model.embed_tokens.weight  # tied again after the split
+        assert str(llm.lm_head.weight.placements) == "(Shard(dim=0),)"
+        assert torch.equal(llm.lm_head.weight.to_local(), full[:12])  # rank 0's half of the vocab
+        assert tensor_mesh(llm).mesh_dim_names == ("tp",)  # its writers' whole mesh (no FSDP here)
+
+    on_fake_rank(split)
+
+
+def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
+    import types
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from hf_omni.parallel.boundary import Boundary
+
+    mesh = types.SimpleNamespace(get_group=lambda: None, get_local_rank=lambda: 1, size=lambda: 2)
+    boundary = Boundary("llm", mesh)
+    boundary.sizes = [1, 2]  # this rank (1) holds rows 1 and 2 of the group's 3
+    logits = torch.randn(3, 4, 5)
+    kept = boundary._keep(CausalLMOutputWithPast(logits=logits, hidden_states=(logits, logits + 1)), "output")
+    assert torch.equal(kept.logits, logits[1:]) and torch.equal(kept.hidden_states[1], logits[1:] + 1)
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*its loss \(\) is not one row per input"):
+        boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=logits), "output")
+    field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # 5.25 / 5.23
+    with pytest.raises(OmniArgumentError, match=rf"llm.*its {field} is a DynamicCache.*use_cache=False"):
+        boundary._keep(CausalLMOutputWithPast(logits=logits, **{field: DynamicCache()}), "output")
+
+
+def test_tp_replicated_tensors_are_written_once_per_tp_group():
+    """A norm on `(dp_shard,)` only is the same on every tp rank: the module's whole mesh makes tp a replica dim, so
+    tp rank 0 of 2 writes its first half of the rows (rank 1 the rest); the split layers' shares are their boxes."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_omni.modules.folder_derived import replica
+    from hf_omni.modules.folder_write import my_rows
+
+    def check(mesh):
+        norm = distribute_tensor(torch.arange(8.0), mesh["dp_shard"], [Shard(0)])
+        assert replica(norm) == (0, 1) and replica(norm, mesh) == (0, 2)
+        lo, hi, _, _ = my_rows(norm, 0, 2**21, full=mesh)
+        assert (lo, hi) == (0, 4)
+
+    on_fake_rank(check)

@@ -1,0 +1,74 @@
+"""Tensor parallelism per module (tests/scripts/mp_tp.py at 2 / 4 ranks against one process, tests/test_tp.py): the
+tiny captioner's Llama split by its transformers plan inside a data-parallel composed model. The composed forward
+computes the loss from the LM's logits (the LM returns one row per input row: the boundary keeps each rank's)."""
+
+import helpers
+import torch
+from transformers.modeling_outputs import CausalLMOutput
+
+from hf_omni.testing.digits import Captioner
+
+
+class RowLossCaptioner(Captioner):
+    """Captioner whose loss is taken outside the LM, from its logits (no `**kw`: Trainer passes no loss kwargs)."""
+
+    def forward(self, input_ids, pixel_values=None, labels=None):
+        prefix = self.projector(self.encode_image(pixel_values))
+        embeds = torch.cat([prefix, self.llm.get_input_embeddings()(input_ids)], dim=1)
+        logits = self.llm(inputs_embeds=embeds, use_cache=False).logits
+        loss = None
+        if labels is not None:
+            labels = torch.cat([labels.new_full(prefix.shape[:2], -100), labels], dim=1)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def tp_model(seed: int = 0, tied: bool = False) -> RowLossCaptioner:
+    """The tiny captioner; `tied`: its Llama with tied input embeddings and LM head (the same seed)."""
+    base = helpers.tiny_model(seed)
+    modules = base.omni_modules()
+    if tied:
+        from transformers import LlamaForCausalLM
+
+        config = modules["llm"].config
+        config.tie_word_embeddings = True
+        torch.manual_seed(seed)
+        modules["llm"] = LlamaForCausalLM(config)
+    return RowLossCaptioner.from_modules(modules, processors=base.processors)
+
+
+def llm(parallelism: dict, **extra) -> dict:
+    return {"vision": {"learning_rate": 1e-3}, "projector": {"learning_rate": 3e-3},
+            "llm": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": parallelism, **extra}}
+
+
+COMMON = dict(max_steps=3)
+TP2, DP2_TP2 = {"dp_shard_size": 1, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}
+SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process runs the same global batch of 8
+    "tp2": (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4)),
+    "dp2_tp2": (4, llm(DP2_TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+    # accumulation windows (the boundary's collectives run every micro-step) and activation checkpointing (the
+    # recompute runs the split layers' collectives again)
+    "tp2_accumulation_ac": (2, llm(TP2, activation_checkpointing=True),
+                            dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+}
+
+
+TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
+# saved by the writer thread, `save`)
+SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
+ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
+    "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
+    "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+}
+
+
+def args(out_dir, name: str, single: bool = False, **extra):
+    _, modules, multi = SCENARIOS[name] if name in SCENARIOS else (None, *ELASTIC[name][2:])
+    return helpers.make_args(out_dir, modules=modules, **{**COMMON, **extra},
+                             **(dict(per_device_train_batch_size=8) if single else multi))
+
+
+def save(name: str) -> dict:
+    """The multi-rank runs' checkpoint-2 (resumed there and in one process); tp2_tied saves asynchronously."""
+    return dict(save_strategy="steps", save_steps=2, save_async=name == "tp2_tied")
