@@ -33,36 +33,34 @@ def launched(tmp_path_factory, launch_ranks):
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     launch_ranks("mp_tp.py", str(out), processes=4, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
-                           for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged", "empty_init"]}}
+                           for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged",
+                                        "empty_init_tp2", "empty_init_ep2"]}}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
 def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
-    model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
+    model = tp_scenarios.model(name)
     trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, name, single=True),
                           train_dataset=tiny_data(model))
     trainer.train()
     got = launched[name]
     assert got["losses"] == pytest.approx(step_losses(trainer), abs=1e-5)
     assert_state_close(got["state"], full_state(model), atol=1e-5)
-    placements = got["placements"]  # transformers' plan under FSDP2 over the dp dims of (dp_shard, tp)
-    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
-    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
-    assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+    check_placements(name, got["placements"])
     assert got["checkpointing"] == ("_ac" in name)
     assert got["save_async"] == tp_scenarios.save(name)["save_async"]  # checkpoint-2 by the writer thread
     # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself
     assert got["resumed_losses"] == got["losses"], (got["resumed_losses"], got["losses"])  # 2 logged, then step 3
     assert_state_close(got["resumed"], got["state"], atol=0)
     # elastic: its checkpoint-2 resumed in this one process (no tensor parallelism) ends as the multi-rank run
-    resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)
+    resumed = tp_scenarios.model(name, seed=7)
     again = OmniTrainer(model=resumed, args=tp_scenarios.args(tmp_path / "resumed", name, single=True),
                         train_dataset=tiny_data(resumed))
     again.train(resume_from_checkpoint=str(launched["out"] / name / "checkpoint-2"))
     assert step_losses(again) == pytest.approx(got["losses"], abs=1e-5)
     assert_state_close(full_state(resumed), got["state"], atol=1e-5)
     # the export: every rank wrote its share of the llm's folder (column and row slices, tp-replicated norms once)
-    exported = full_state(LlamaForCausalLM.from_pretrained(launched["out"] / name / "export" / "llm"))
+    exported = full_state(type(model.llm).from_pretrained(launched["out"] / name / "export" / "llm"))
     assert_state_close(exported, {k[4:]: v for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
     assert_state_close(exported, {k[4:]: v for k, v in full_state(model).items() if k.startswith("llm.")}, atol=1e-5)
 
@@ -74,16 +72,32 @@ def test_tensor_parallel_checkpoint_resumes_at_another_layout(launched, name):
     source = launched[tp_scenarios.ELASTIC[name][1]]
     assert launched[name]["losses"] == pytest.approx(source["losses"], abs=1e-5)
     assert_state_close(launched[name]["state"], source["state"], atol=1e-5)
-    assert launched[name]["q_proj"] == {"tp2_to_dp2_tp2": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
-                                        "dp2_tp2_to_dp4": "(Shard(dim=0),)"}[name]
+    check_placements(name, launched[name]["placements"])
 
 
-def test_empty_init_tensor_parallel_module_reads_its_boxes(launched, tmp_path):
-    """The tp2 export rebuilt on meta (`empty_init`) at 2 ranks (split and sharded there, each rank reads its boxes)
-    trains as that export loaded whole in one process."""
-    got = launched["empty_init"]
-    model = tp_scenarios.RowLossCaptioner.from_pretrained(launched["out"] / "tp2" / "export")
-    trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, "tp2", single=True),
+def check_placements(name: str, placements: dict) -> None:
+    """The llm's parameters as the scenario's layout splits them: transformers' tensor-parallel plan under FSDP2
+    over the dp dims of (dp_shard, tp); its expert-parallel plan under FSDP2 over (efsdp, ep); FSDP2 alone."""
+    strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # FSDP2's rows nested inside tp's / ep's
+    if name in tp_scenarios.MOE:
+        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == strided
+        assert placements["model.layers.0.mlp.experts.down_proj"] == strided
+        assert placements["model.layers.0.mlp.gate.weight"] == "(Shard(dim=0),)"  # the router: dense
+    elif name == "dp2_tp2_to_dp4":
+        assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
+    else:
+        assert placements["model.layers.0.self_attn.q_proj.weight"] == strided
+        assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
+
+
+@pytest.mark.parametrize("name", ["tp2", "ep2"])
+def test_empty_init_split_module_reads_its_boxes(launched, tmp_path, name):
+    """The tp2 / ep2 export rebuilt on meta (`empty_init`) at 2 ranks (split and sharded there, each rank reads its
+    boxes: the experts its range) trains as that export loaded whole in one process."""
+    got = launched["empty_init_" + name]
+    model = tp_scenarios.RowLossCaptioner.from_pretrained(launched["out"] / name / "export")
+    trainer = OmniTrainer(model=model, args=tp_scenarios.args(tmp_path, name, single=True),
                           train_dataset=tiny_data(model))
     trainer.train()
     assert got["on_meta"]
@@ -119,6 +133,38 @@ def test_refused_arguments_name_module_and_key(tmp_path, modules, module):
     model = tiny_model()
     with pytest.raises(OmniArgumentError, match=rf"{module}.*parallelism\.tp_size"):
         OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
+
+
+EP2 = {"dp_shard_size": 2, "ep_size": 2}
+
+
+@pytest.mark.parametrize("modules, match", [
+    ({"llm": {"parallel": "ddp", "parallelism": EP2}}, r"llm.*parallelism\.ep_size.*needs `parallel: fsdp`"),
+    ({"llm": {"parallel": "fsdp", "parallelism": {**EP2, "tp_size": 2}}},
+     r"llm.*parallelism\.ep_size.*expert and tensor parallelism in one module"),
+    ({"llm": {"parallel": "fsdp", "parallelism": {"dp_shard_size": 3, "ep_size": 2}}},
+     r"llm.*parallelism\.ep_size.*must divide dp_shard_size x tp_size = 3"),
+    ({"llm": {"parallel": "fsdp", "parallelism": EP2, "lora": {"r": 4, "target_modules": ["q_proj"]}}},
+     r"llm.*parallelism\.ep_size.*LoRA under expert parallelism"),
+])
+def test_refused_expert_parallel_arguments(tmp_path, modules, match):
+    with pytest.raises(OmniArgumentError, match=match):
+        model = tiny_model()
+        OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
+    with pytest.raises(OmniArgumentError, match=r"parallelism\.ep_size.*per module"):
+        make_args(tmp_path, parallel="fsdp", parallelism=EP2)
+
+
+def test_expert_layout_refuses_what_it_cannot_spread():
+    """A module without an expert-parallel plan (a dense Llama), and experts that ep_size ranks cannot hold evenly,
+    are refused by module and key before anything is split."""
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.ep_size.*LlamaForCausalLM has no expert-parallel"):
+        layouts_for("llm", EP2)[0].check(tiny_model().llm)
+    moe = tp_scenarios.tp_model(moe=True).llm  # 4 experts
+    layouts_for("llm", EP2)[0].check(moe)
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.ep_size.*experts.gate_up_proj holds 4 experts, "
+                                                r"which 8 ranks cannot hold evenly"):
+        layouts_for("llm", {"dp_shard_size": 8, "ep_size": 8})[0].check(moe)
 
 
 def test_tensor_parallelism_is_per_module_only(tmp_path):

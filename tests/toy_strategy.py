@@ -39,7 +39,7 @@ evenly)."""
         self.lazy_init, self.module = lazy_init, None
 
     @classmethod
-    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "ColumnShardStrategy":
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "ColumnShardStrategy":
         return cls(slot.name, mesh, lazy_init)
 
     def apply(self, module: nn.Module, device: torch.device) -> None:

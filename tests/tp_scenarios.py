@@ -23,10 +23,20 @@ class RowLossCaptioner(Captioner):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def tp_model(seed: int = 0, tied: bool = False) -> RowLossCaptioner:
-    """The tiny captioner; `tied`: its Llama with tied input embeddings and LM head (the same seed)."""
+def tp_model(seed: int = 0, tied: bool = False, moe: bool = False) -> RowLossCaptioner:
+    """The tiny captioner; `tied`: its Llama with tied input embeddings and LM head (the same seed); `moe`: a
+    Qwen2-MoE language model of the same width instead (4 fused experts, top 2, a shared expert)."""
     base = helpers.tiny_model(seed)
     modules = base.omni_modules()
+    if moe:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        llama = modules["llm"].config
+        torch.manual_seed(seed)
+        modules["llm"] = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            vocab_size=llama.vocab_size, hidden_size=llama.hidden_size, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
     if tied:
         from transformers import LlamaForCausalLM
 
@@ -54,13 +64,26 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
+# expert parallelism: the Qwen2-MoE language model's 4 experts over 2 ranks, each rank its own rows (2 ranks: every
+# expert whole on one rank; 4 ranks: each pair of ranks holding the same experts shards them)
+SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
+SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, max_grad_norm=0.5),
+                        dict(per_device_train_batch_size=2))
+MOE = {"ep2", "dp4_ep2"}
 TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
 # saved by the writer thread, `save`)
 SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
 ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
     "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
     "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+    "ep2_to_dp4_ep2": (4, "ep2", *SCENARIOS["dp4_ep2"][1:]),
 }
+MOE |= {"ep2_to_dp4_ep2"}
+
+
+def model(name: str, seed: int = 0) -> RowLossCaptioner:
+    """The scenario's model (`seed`: 7 for a run whose every weight comes from a checkpoint)."""
+    return tp_model(seed, tied=name in TIED, moe=name in MOE)
 
 
 def args(out_dir, name: str, single: bool = False, **extra):

@@ -108,7 +108,8 @@ class ModuleArguments:
     parallelism: dict | None = key(None, (dict,), "a `parallel: fsdp` module's mesh, Accelerate's ParallelismConfig "
                                    "fields: {dp_shard_size: N} full shard (default: the world), {dp_replicate_size: "
                                    "R, dp_shard_size: S} HSDP; R x S = world size; per module, `tp_size: T` splits "
-                                   "it by its transformers tensor-parallel plan first (R x S x T = world size)",
+                                   "it by its transformers tensor-parallel plan first (R x S x T = world size), "
+                                   "`ep_size: E` spreads a MoE module's experts over E ranks (E divides S)",
                                    nullable=True, check=check_parallelism)
     sync_each_batch: bool | None = key(None, (bool,), "reduce its gradients on every micro-step of an accumulation "
                                        "window (unset: true for `fsdp`, whose gradients stay sharded; false for "

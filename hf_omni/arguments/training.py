@@ -20,7 +20,10 @@ from transformers import TrainingArguments
 from ..errors import OmniArgumentError
 from ..hub.ids import LAYOUTS
 from ..keys import as_number, check_type, default_of, merge_overlay
-from ..parallel.mesh import tp_size
+from ..parallel.mesh import LAYOUT_SIZES, layout_keys
+
+LORA_REASONS = {"tp_size": "PEFT 0.21 fails on row-wise split layers; its column-wise adapters need one seeded init",
+                "ep_size": "PEFT's adapters on fused experts would need splitting by expert ranges like the experts"}
 from ..parallel.strategy import STRATEGIES, check_settings
 from .fields import COMPILE, REFUSALS
 from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_key, field_help
@@ -124,8 +127,8 @@ class OmniTrainingArguments(TrainingArguments):
                                         "one (on the meta device) included: use fsdp_scope: module")
         for name, value in self.module_defaults().items():
             check_module_key(None, name, value)
-        if tp_size(self.module_defaults().get("parallelism")) > 1:
-            raise OmniArgumentError(None, "parallelism.tp_size", "tensor parallelism is per module: set it under "
+        for key in layout_keys(self.module_defaults().get("parallelism")):
+            raise OmniArgumentError(None, f"parallelism.{key}", f"{LAYOUT_SIZES[key]} is per module: set it under "
                                     "modules.<name>.parallelism (the rest of the composed model is data parallel)")
         if self.modules is None:
             self.modules = {}
@@ -144,9 +147,9 @@ class OmniTrainingArguments(TrainingArguments):
                 if overlay.get(key):  # a strategy's settings merged with the top level must still agree
                     check_settings(name, key, merge_overlay(getattr(self, key, None) or {}, overlay[key]))
             parallel = overlay.get("parallel", self.parallel)
-            if tp_size(overlay.get("parallelism")) > 1 and parallel != "fsdp":
-                raise OmniArgumentError(name, "parallelism.tp_size", "tensor parallelism is composed under FSDP2: it "
-                                        f"needs `parallel: fsdp`; this module is `parallel: {parallel}`")
+            for key in layout_keys(overlay.get("parallelism")) if parallel != "fsdp" else ():
+                raise OmniArgumentError(name, f"parallelism.{key}", f"{LAYOUT_SIZES[key]} is composed under FSDP2: "
+                                        f"it needs `parallel: fsdp`; this module is `parallel: {parallel}`")
             if "parallelism" in overlay and overlay["parallelism"] is not None and \
                     not STRATEGIES[parallel].takes_mesh:
                 raise OmniArgumentError(name, "parallelism", "sets a mesh for `parallel: fsdp` modules; this one is "
@@ -194,10 +197,9 @@ class OmniTrainingArguments(TrainingArguments):
                 values["lora"] = None
             margs = ModuleArguments(name=name, trainable=trainable, lora_from_module=overlay.get("lora") is not None,
                                     parallel_from_module="parallel" in overlay, **values)
-            if margs.lora is not None and tp_size(margs.parallelism) > 1:
-                raise OmniArgumentError(name, "parallelism.tp_size", "LoRA on a tensor-parallel module is not "
-                                        "supported yet (PEFT 0.21 fails on row-wise split layers; its column-wise "
-                                        "adapters need one seeded init): drop `lora` or `tp_size` for this module")
+            for key in layout_keys(margs.parallelism) if margs.lora is not None else ():
+                raise OmniArgumentError(name, f"parallelism.{key}", f"LoRA under {LAYOUT_SIZES[key]} is not "
+                                        f"supported ({LORA_REASONS[key]}): drop `lora` or `{key}` for this module")
             for cls in STRATEGIES.values():  # settings merged from several levels must agree (min_num_params + classes)
                 margs.strategy_settings(cls)
             resolved[name] = margs

@@ -42,6 +42,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("accelerate", "accelerate.utils.fsdp_utils.get_parameters_from_modules"),
     ("diffusers", "diffusers.models.modeling_utils.ModelMixin._supports_gradient_checkpointing"),
     ("transformers", "transformers.PreTrainedModel._resolve_parallel_plans"),
+    ("transformers", "transformers.distributed.expert_parallel.apply_expert_parallelism"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""transformers' tensor-parallel machinery (`transformers.distributed`, 5.x), behind named functions (indexed in
-`hf_omni.compat`): the module class's own plan, and applying it on a 1-D `tp` mesh."""
+"""transformers' tensor- and expert-parallel machinery (`transformers.distributed`, 5.x), behind named functions
+(indexed in `hf_omni.compat`): the module class's own plans, and applying them on 1-D `tp` / `ep` meshes."""
 
 from __future__ import annotations
 
@@ -8,21 +8,36 @@ from torch import nn
 from .symbols import resolve
 
 
-def tensor_parallel_plan(module: nn.Module, tp_size: int, dp_shard_size: int, dp_replicate_size: int) -> dict:
-    """`module`'s resolved tensor-parallel plan (one entry per parameter to shard and per module to hook; `*`
-    expanded to layer numbers) at these sizes; `{}` when its class and config declare none."""
+def _plans(module: nn.Module, **sizes) -> tuple[dict, dict] | None:
+    """(tensor-parallel plan, expert-parallel plan) transformers resolves for `module` at these `DistributedConfig`
+    sizes (one entry per parameter to shard and per module to hook; `*` expanded to layer numbers); None for a module
+    that is not a transformers model."""
     from transformers.distributed import DistributedConfig
 
     resolve("transformers.PreTrainedModel._resolve_parallel_plans")
     if not hasattr(module, "_resolve_parallel_plans"):  # not a transformers model
-        return {}
-    config = DistributedConfig(tp_size=tp_size, fsdp_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+        return None
+    tp, ep, _ = module._resolve_parallel_plans(DistributedConfig(**sizes))
+    return dict(tp), dict(ep)
+
+
+def tensor_parallel_plan(module: nn.Module, tp_size: int, dp_shard_size: int, dp_replicate_size: int) -> dict:
+    """`module`'s resolved tensor-parallel plan at these sizes; `{}` when its class and config declare none."""
     try:
-        return dict(module._resolve_parallel_plans(config)[0])
+        plans = _plans(module, tp_size=tp_size, fsdp_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
     except ValueError as err:  # "tp_size=2 was requested, but X has no tp_plan"
         if "tp_plan" in str(err):
             return {}
         raise
+    return plans[0] if plans else {}
+
+
+def expert_parallel_plan(module: nn.Module, ep_size: int, dp_shard_size: int, dp_replicate_size: int) -> dict:
+    """`module`'s resolved expert-parallel plan (`config.base_model_ep_plan`: fused expert weights `grouped_gemm`,
+    their modules `ep_dispatch_experts`) at these sizes; `{}` when its config declares none. transformers' own
+    sizing errors (`ep_size` must divide `fsdp_size * tp_size`) propagate as its ValueError."""
+    plans = _plans(module, ep_size=ep_size, fsdp_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+    return plans[1] if plans else {}
 
 
 def apply_tensor_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
@@ -35,3 +50,14 @@ def apply_tensor_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     resolve("transformers.distributed.utils.TransformersDeviceMesh")
     module._mesh_manager = TransformersDeviceMesh(tp_mesh, tp_mesh)
     apply_tensor_parallelism(module, tp_mesh, plan)
+
+
+def apply_expert_plan(module: nn.Module, ep_mesh, tp_mesh, plan: dict) -> None:
+    """Spread `module`'s fused experts by `plan` over `ep_mesh` (`Shard(0)` DTensors of whole experts, the experts'
+    count set to the local one; no communication) and route tokens to them with transformers' all-to-all
+    implementation (`AllToAllEP`: each rank keeps its own batch; `tp_mesh`: the ranks sharing one batch, this rank
+    alone without tensor parallelism)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    resolve("transformers.distributed.expert_parallel.apply_expert_parallelism")
+    apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")

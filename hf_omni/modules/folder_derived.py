@@ -1,7 +1,9 @@
 """A derived group of a module's HF folder (MoE experts split on save: the file holds one tensor per expert where
 the module holds them fused): converted by one rank, round robin over the ranks of the first replica, from its
 source tensors gathered there (`dist.gather` of dim-0 shards, one tensor at a time, on the device the shards' group
-serves: `shards.device.on_group_device`).
+serves: `shards.device.on_group_device`). Expert-parallel experts (FSDP2's rows inside each rank's expert range)
+are first gathered to their ranges over the ranks holding the same experts (`shards.box.one_cut`), then to the
+writer over the expert group.
 
 Every rank joins every gather of every group, whatever fails on its own between them: a rank-local step (a cast,
 the conversion) that fails goes to `failed` (raised at once where no other rank waits: no process group, or a
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from ..dist import has_process_group
-from ..shards.box import local_of, shard_dims
+from ..shards.box import local_of, one_cut, shard_dims
 from ..shards.device import on_group_device
 from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
 from .tensor_layout import module_tensors
@@ -102,7 +104,7 @@ def derived_tensors(module: nn.Module, plan: FolderPlan, index: int, dtypes: dic
     rank, world = rank_world(solo)
     state, writer = {}, None
     for source in sources:
-        tensor = tensors[source]
+        tensor = one_cut(tensors[source])  # experts: FSDP2's rows inside expert ranges gathered to the ranges
         if sharded(tensor):
             ranks = first_replica_ranks(tensor)
             if ranks is None:

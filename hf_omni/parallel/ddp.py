@@ -37,7 +37,7 @@ class DdpStrategy(Strategy):
         self.loose = None  # an adopted module's paths that name tensors (`loose.py`)
 
     @classmethod
-    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "DdpStrategy":
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "DdpStrategy":
         return cls(slot.args.ddp_kwargs(), slot.name)
 
     def apply(self, module: nn.Module, device: torch.device) -> None:

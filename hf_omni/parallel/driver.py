@@ -123,7 +123,8 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
         for slot in apply_order(live, kinds):  # adopted models: carved-out modules first
             shape = shapes.get(slot.name)
             mesh = meshes.get(shape, dim_names(slot.args.parallelism, len(shape))) if shape else None
-            strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later)
+            strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later,
+                                                               meshes=meshes)
             if slot.args.sync_each_batch is not None:
                 strategy.sync_each_batch = slot.args.sync_each_batch
             strategy.apply(slot.module, device)

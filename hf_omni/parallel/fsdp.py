@@ -9,8 +9,9 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
   does not claim to be a root itself; methods other than `forward` that the composed forward calls
   (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
-- Layouts the module's `parallelism` sizes ask for (`layouts.py`; `tp_size`: `tensor.py`) split it on their own mesh
-  dim first; FSDP2 then shards over the data-parallel dims only, and each layout installs its boundary after.
+- Layouts the module's `parallelism` sizes ask for (`layouts.py`; `tp_size`: `tensor.py`, `ep_size`: `experts.py`)
+  split it first (on their own mesh dim, or mesh); FSDP2 then shards the rest over the data-parallel dims only, and
+  each layout installs its boundary after.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ class FsdpStrategy(Strategy):
         self.plugin = self.module = self.loose = None
 
     @classmethod
-    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "FsdpStrategy":
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "FsdpStrategy":
         compute = slot.precision.compute if slot.precision is not None else None
         strategy = cls(slot.name, slot.settings, mesh, lazy_init, compute)
-        strategy.layouts = layouts_for(slot.name, slot.args.parallelism)
+        strategy.layouts = layouts_for(slot.name, slot.args.parallelism, meshes)
         return strategy
 
     @classmethod
@@ -89,7 +90,7 @@ class FsdpStrategy(Strategy):
             layout.apply(module, self.mesh)
         self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
         shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init,
-              mesh=data_mesh(self.mesh, self.layouts))
+              mesh=data_mesh(self.mesh, self.layouts), layouts=self.layouts)
         for layout in self.layouts:
             layout.after_fsdp(module, self.mesh, FORWARD_METHODS)
         self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
@@ -116,10 +117,10 @@ class FsdpStrategy(Strategy):
 
 
 def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init: bool = True,
-          mesh=None) -> nn.Module:
+          mesh=None, layouts=()) -> nn.Module:
     """Apply `plugin` to `module` in place with `fully_shard` on `mesh` (1-D: full shard; 2-D: HSDP; default: all
-    ranks). `lazy_init=False` for a module on the meta device: call `fsdp_lazy_init_root` once its shards are
-    filled."""
+    ranks), after the units each of `layouts` shards on its own mesh (experts). `lazy_init=False` for a module on the
+    meta device: call `fsdp_lazy_init_root` once its shards are filled."""
     import torch.distributed as dist
     from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,6 +137,8 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
                   shard_placement_fn=placement.placement_fn(mesh.size(mesh.ndim - 1)))  # over the shard group
     if plugin.ignored_modules is not None:
         kwargs["ignored_params"] = fsdp_ignored_params(plugin.ignored_modules, module, device)
+    for layout in layouts:
+        layout.shard_first(module, kwargs)
     try:
         policy = fsdp2_auto_wrap_policy(plugin, module)
     except ValueError as err:

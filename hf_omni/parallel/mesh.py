@@ -3,7 +3,8 @@ names and rules of Accelerate's `ParallelismConfig`: `{dp_shard_size: N}` shards
 whole world); `{dp_replicate_size: R, dp_shard_size: S}` is HSDP (`fully_shard` on an R x S mesh: shards within
 groups of S ranks, replicas across them); `tp_size: T` adds tensor parallelism inside the module (its own
 transformers plan, `tensor.py`) on the innermost mesh dim `tp`. R x S x T must equal the world size: every mesh spans
-every rank. A replicate-only entry is `parallel: ddp`'s job; context and sequence parallelism are refused.
+every rank. `ep_size: E` spreads a MoE module's experts over E ranks (`experts.py`) on an expert mesh of the same
+ranks; as in transformers' `DistributedConfig` it divides S x T and does not multiply the world size. A replicate-only entry is `parallel: ddp`'s job; context and sequence parallelism are refused.
 Meshes are built once per distinct shape and dim names, on every rank in the same order, and shared between modules."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from ..compat import group_options
 from ..errors import OmniArgumentError
 
-SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "ep_size", "cp_size", "sp_size")
+LAYOUT_SIZES = {"tp_size": "tensor parallelism", "ep_size": "expert parallelism"}  # composed under FSDP2, per module
 DIM_NAMES = ("dp_replicate", "dp_shard")
 TP = "tp"  # the innermost dim of a tensor-parallel module's mesh
 
@@ -26,7 +28,15 @@ def check_parallelism(module: str | None, value: dict) -> None:
         if key in ("cp_size", "sp_size") and size > 1:
             raise OmniArgumentError(module, f"parallelism.{key}", "context and sequence parallelism are not "
                                     "supported per module (they need activations moved between modules); use "
-                                    "dp_replicate_size / dp_shard_size / tp_size")
+                                    "dp_replicate_size / dp_shard_size / tp_size / ep_size")
+    ep, shard, tp = value.get("ep_size", 1), value.get("dp_shard_size", 1), tp_size(value)
+    if ep > 1 and tp > 1:
+        raise OmniArgumentError(module, "parallelism.ep_size", "expert and tensor parallelism in one module are not "
+                                "supported: use ep_size with dp_shard_size (and dp_replicate_size) only")
+    if ep > 1 and (shard * tp) % ep:
+        raise OmniArgumentError(module, "parallelism.ep_size", f"must divide dp_shard_size x tp_size = {shard * tp} "
+                                f"(transformers' DistributedConfig rule: experts are spread inside the shard group, "
+                                f"never over more ranks), got {ep}")
     if value.get("dp_replicate_size", 1) > 1 and value.get("dp_shard_size", 1) == 1:
         raise OmniArgumentError(module, "parallelism.dp_shard_size", "replicas without sharding are plain data "
                                 "parallelism: use `parallel: ddp` (as Accelerate's ParallelismConfig says)")
@@ -35,6 +45,11 @@ def check_parallelism(module: str | None, value: dict) -> None:
 def tp_size(value: dict | None) -> int:
     """The tensor-parallel size a `parallelism` entry asks for (1: none)."""
     return (value or {}).get("tp_size", 1)
+
+
+def layout_keys(value: dict | None) -> list[str]:
+    """The sizes of a `parallelism` entry that ask for a layout inside the module (`tp_size`, `ep_size` above 1)."""
+    return [key for key in LAYOUT_SIZES if (value or {}).get(key, 1) > 1]
 
 
 def mesh_shape(module: str, value: dict | None, world: int) -> tuple[int, ...]:

@@ -90,9 +90,10 @@ class Strategy:
         """Refuse, naming module and key, settings that fp16's shared loss scaler cannot serve."""
 
     @classmethod
-    def for_module(cls, slot, mesh=None, lazy_init: bool = True) -> "Strategy":
+    def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "Strategy":
         """The strategy for one module, from its slot's resolved arguments (`mesh`: its device mesh, if it takes
-        one; `lazy_init=False`: it is on the meta device until read after wrapping)."""
+        one; `lazy_init=False`: it is on the meta device until read after wrapping; `meshes`: the run's `mesh.Meshes`,
+        where it builds any other mesh it needs on the same ranks)."""
         return cls(slot.name, slot.settings, mesh)
 
     @classmethod

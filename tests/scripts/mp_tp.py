@@ -3,8 +3,8 @@ for N ranks, in one launch. Usage: mp_tp.py OUT_DIR. Rank 0 writes OUT_DIR/<scen
 weights, the llm's parameter placements, whether it recomputes (activation checkpointing), and the losses and final
 weights of a run resumed from its checkpoint-2 (a model built from another seed); OUT_DIR/<scenario>/export: the
 trained model's export (every rank its share of the llm's HF folder), OUT_DIR/<scenario>/checkpoint-2 its checkpoint.
-Then each tp_scenarios.ELASTIC resume for N ranks (OUT_DIR/<name>.pt). At 2 ranks also OUT_DIR/empty_init.pt (the tp2
-export rebuilt with empty_init and trained as tp2) and OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
+Then each tp_scenarios.ELASTIC resume for N ranks (OUT_DIR/<name>.pt). At 2 ranks also OUT_DIR/empty_init_<name>.pt
+(the tp2 and ep2 exports rebuilt with empty_init and trained at their layout) and OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
 differences of the loss, every parameter's gradient and the input gradients."""
 
 import copy
@@ -24,7 +24,7 @@ def main(out_dir: str):
     for name, (processes, _, _) in tp_scenarios.SCENARIOS.items():
         if processes != int(os.environ["WORLD_SIZE"]):
             continue
-        model = tp_scenarios.tp_model(tied=name in tp_scenarios.TIED)
+        model = tp_scenarios.model(name)
         trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name,
                                                                   **tp_scenarios.save(name)),
                               train_dataset=helpers.tiny_data(model))
@@ -32,7 +32,7 @@ def main(out_dir: str):
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
         trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
         state = helpers.full_state(model)
-        resumed = tp_scenarios.tp_model(seed=7, tied=name in tp_scenarios.TIED)  # every weight from the checkpoint
+        resumed = tp_scenarios.model(name, seed=7)  # every weight from the checkpoint
         again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
                             train_dataset=helpers.tiny_data(resumed))
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
@@ -85,29 +85,34 @@ def elastic(out_dir: str):
     for name, (processes, source, _, _) in tp_scenarios.ELASTIC.items():
         if processes != int(os.environ["WORLD_SIZE"]):
             continue
-        model = tp_scenarios.tp_model(seed=7)
+        model = tp_scenarios.model(name, seed=7)
         trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, name), name),
                               train_dataset=helpers.tiny_data(model))
         trainer.train(resume_from_checkpoint=os.path.join(out_dir, source, "checkpoint-2"))
         state = helpers.full_state(model)
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state,
-                        "q_proj": str(model.llm.model.layers[0].self_attn.q_proj.weight.placements)},
+                        "placements": {key: str(p.placements) for key, p in model.llm.named_parameters()}},
                        os.path.join(out_dir, f"{name}.pt"))
 
 
 def empty_init(out_dir: str):
-    """The tp2 run's export rebuilt with `empty_init=True` (on meta: split, sharded, then each rank reads its boxes)
-    and trained as tp2; rank 0 writes OUT_DIR/empty_init.pt (whether it was on meta, losses, final full weights)."""
-    model = tp_scenarios.RowLossCaptioner.from_pretrained(os.path.join(out_dir, "tp2", "export"), empty_init=True)
-    on_meta = all(p.is_meta for p in model.parameters())
-    trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, "empty_init"), "tp2"),
-                          train_dataset=helpers.tiny_data(model))
-    trainer.train()
-    state = helpers.full_state(model)
-    if dist.get_rank() == 0:
-        torch.save({"on_meta": on_meta, "losses": helpers.step_losses(trainer), "state": state},
-                   os.path.join(out_dir, "empty_init.pt"))
+    """The tp2 and ep2 runs' exports rebuilt with `empty_init=True` (on meta: split, sharded, then each rank reads its
+    boxes: experts by their ranges) and trained at their layout; rank 0 writes OUT_DIR/empty_init_<name>.pt (whether
+    it was on meta, losses, final full weights)."""
+    for name in EMPTY_INIT:
+        model = tp_scenarios.RowLossCaptioner.from_pretrained(os.path.join(out_dir, name, "export"), empty_init=True)
+        on_meta = all(p.is_meta for p in model.parameters())
+        trainer = OmniTrainer(model=model, args=tp_scenarios.args(os.path.join(out_dir, "empty_init_" + name), name),
+                              train_dataset=helpers.tiny_data(model))
+        trainer.train()
+        state = helpers.full_state(model)
+        if dist.get_rank() == 0:
+            torch.save({"on_meta": on_meta, "losses": helpers.step_losses(trainer), "state": state},
+                       os.path.join(out_dir, f"empty_init_{name}.pt"))
+
+
+EMPTY_INIT = [name for name in ("tp2", "ep2") if name in tp_scenarios.SCENARIOS]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""`parallelism: {dp_shard_size: S, ep_size: E}` on a `parallel: fsdp` MoE module: its fused experts spread over E
+ranks by the class's own transformers plan (`config.base_model_ep_plan`), tokens routed to them all-to-all
+(transformers' `AllToAllEP`), the dense rest FSDP2 over the module's mesh as without experts.
+
+- Sizing is transformers' `DistributedConfig` rule: E divides S (x dp_replicate R: replicas hold the same experts)
+  and does not multiply the world size. The experts live on a mesh of their own over the same ranks,
+  `(dp_replicate, efsdp, ep)` with efsdp = S / E: each expert is whole on one rank of every E, and FSDP2 shards it
+  over the efsdp ranks holding the same experts (its own unit, sharded before the module's other units).
+- Every rank keeps its own batch: no boundary with the rest of the composed model. A rank sends each (token, expert)
+  pair to the expert's rank and gets its result back (two all-to-alls per MoE layer and direction), so the routing
+  is that of one process. The split sizes are read to the host every layer.
+- Gradients: an expert's local gradient already sums the tokens of its E ranks; FSDP2's reduction over efsdp (a sum)
+  and over the replicas then covers every rank's batch, divided by R x S (the data-parallel size, as the dense
+  parameters' average): the mean over every rank's loss, as a data-parallel module.
+- Not with `tp_size` in the same module, and not with LoRA (refused by name at parse time).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..compat import apply_expert_plan, expert_parallel_plan
+from ..errors import OmniArgumentError
+from .layouts import Layout, register_layout
+
+KEY = "parallelism.ep_size"
+FUSED = "grouped_gemm"  # the plan's style of a fused expert weight (experts on its dim 0)
+DISPATCH = "ep_dispatch_experts"  # the plan's style of an experts module (tokens routed to it)
+
+
+@register_layout
+class ExpertLayout(Layout):
+    size_key = "ep_size"
+
+    def plan(self, module: nn.Module) -> dict:
+        try:
+            return expert_parallel_plan(module, self.size("ep_size"), self.size("dp_shard_size"),
+                                        self.size("dp_replicate_size"))
+        except ValueError as err:  # transformers' own sizing rule; "... has no `ep_plan`": refused by `check`
+            if "ep_plan" in str(err):
+                return {}
+            raise OmniArgumentError(self.module_name, KEY, str(err)) from None
+
+    def check(self, module: nn.Module) -> None:
+        plan, ep = self.plan(module), self.size("ep_size")
+        if not any(style == DISPATCH for style in plan.values()):
+            raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has no expert-parallel plan "
+                                    "(transformers' `config.base_model_ep_plan`): use dp_shard_size / "
+                                    "dp_replicate_size only")
+        params = dict(module.named_parameters())
+        for name, style in plan.items():
+            if style == FUSED and name in params and params[name].shape[0] % ep:
+                raise OmniArgumentError(self.module_name, KEY, f"{name} holds {params[name].shape[0]} experts, "
+                                        f"which {ep} ranks cannot hold evenly: use an ep_size that divides it")
+
+    def mesh(self):
+        """`(dp_replicate?, efsdp, ep, batch)` over every rank; `batch`: the ranks holding one batch (this one)."""
+        replicate, ep = self.size("dp_replicate_size"), self.size("ep_size")
+        shape = (self.size("dp_shard_size") // ep, ep, 1)
+        names = ("efsdp", "ep", "batch")
+        if replicate > 1:
+            shape, names = (replicate, *shape), ("dp_replicate", *names)
+        return self.meshes.get(shape, names)
+
+    def apply(self, module: nn.Module, mesh) -> None:
+        plan, experts = self.plan(module), self.mesh()
+        apply_expert_plan(module, experts["ep"], experts["batch"], plan)
+        self.units = [module.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
+
+    def shard_first(self, module: nn.Module, kwargs: dict) -> None:
+        """Each experts module its own FSDP2 unit over the ranks holding the same experts (and the replicas)."""
+        from torch.distributed.fsdp import fully_shard
+
+        experts, replicate = self.mesh(), self.size("dp_replicate_size")
+        data = experts["dp_replicate", "efsdp"] if replicate > 1 else experts["efsdp"]
+        for unit in self.units:
+            fully_shard(unit, **{**kwargs, "mesh": data})
+            unit.set_gradient_divide_factor(float(replicate * self.size("dp_shard_size")))
+            if data.size() > 1:  # a factor other than the group size is PREMUL_SUM: gloo has none, NCCL bf16 zeroes
+                unit.set_force_sum_reduction_for_comms(True)
