@@ -65,30 +65,43 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 
 
 # expert parallelism: the Qwen2-MoE language model's 4 experts over 2 ranks, each rank its own rows (2 ranks: every
-# expert whole on one rank; 4 ranks: each pair of ranks holding the same experts shards them)
-SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
-SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, max_grad_norm=0.5),
-                        dict(per_device_train_batch_size=2))
+# expert whole on one rank; 4 ranks: each pair of ranks holding the same experts shards them); every module clipped to
+# one global norm over several meshes (plain, dense, the experts')
+SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}), dict(per_device_train_batch_size=4))
+SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}), dict(per_device_train_batch_size=2))
 MOE = {"ep2", "dp4_ep2"}
+# bf16 compute on a Llama saved in bf16: fp32 masters split by tp, gathered in bf16, exported in bf16
+SCENARIOS["tp2_bf16"] = (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
+BF16 = {"tp2_bf16"}
 TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
 # saved by the writer thread, `save`)
 SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
-ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments)
-    "tp2_to_dp2_tp2": (4, "tp2", *SCENARIOS["dp2_tp2"][1:]),
+ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments); the 4-rank
+    # launch runs first: its checkpoints are resumed at 4 ranks without tensor parallelism and at 2 ranks
     "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
-    "ep2_to_dp4_ep2": (4, "ep2", *SCENARIOS["dp4_ep2"][1:]),
+    "dp2_tp2_to_dp2": (2, "dp2_tp2", llm({"dp_shard_size": 2}, max_grad_norm=0.5), dict(per_device_train_batch_size=4)),
+    "dp4_ep2_to_ep2": (2, "dp4_ep2", *SCENARIOS["ep2"][1:]),
 }
-MOE |= {"ep2_to_dp4_ep2"}
+MOE |= {"dp4_ep2_to_ep2"}
 
 
 def model(name: str, seed: int = 0) -> RowLossCaptioner:
     """The scenario's model (`seed`: 7 for a run whose every weight comes from a checkpoint)."""
-    return tp_model(seed, tied=name in TIED, moe=name in MOE)
+    built = tp_model(seed, tied=name in TIED, moe=name in MOE)
+    if name in BF16:
+        built.llm.to(torch.bfloat16)  # as loaded from bf16 files
+    return built
+
+
+def both(name: str) -> dict:
+    """Arguments of the scenario's multi-rank and one-process runs alike."""
+    return dict(grad_clip_scope="global", max_grad_norm=0.5) if name in MOE else dict(bf16=True) if name in BF16 \
+        else {}
 
 
 def args(out_dir, name: str, single: bool = False, **extra):
     _, modules, multi = SCENARIOS[name] if name in SCENARIOS else (None, *ELASTIC[name][2:])
-    return helpers.make_args(out_dir, modules=modules, **{**COMMON, **extra},
+    return helpers.make_args(out_dir, modules=modules, **{**COMMON, **both(name), **extra},
                              **(dict(per_device_train_batch_size=8) if single else multi))
 
 
