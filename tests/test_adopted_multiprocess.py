@@ -1,5 +1,5 @@
 """Adopted released models at 2 gloo ranks (tests/scripts/mp_adopted.py, one launch) against one process on the
-same global batches: Qwen2.5-VL with its carved-out projector sharded inside the sharded vision tower, LLaVA with
+same global batches: LLaVA with its LLM tensor parallel (tp 2), Qwen2.5-VL with its carved-out projector sharded inside the sharded vision tower, LLaVA with
 a DDP projector between FSDP modules, Gemma3 with its tied `lm_head` left out of the mapping (taken into the
 sharded LLM: one parameter with the embeddings), BLIP-2 with `query_tokens` (a parameter path) whole on every rank
 beside the sharded Q-Former, mixed image / text-only rows under `group_by_modality` with accumulation;
@@ -22,6 +22,7 @@ KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "paligemma": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "gemma3": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "blip2": {"vision": "fsdp", "qformer": "fsdp", "llm": "fsdp"},
+         "llava_tp2": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 
@@ -56,7 +57,7 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
         assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "llava", "llava_tp2"])
 def test_a_two_rank_checkpoint_resumes_at_one_process(results, tmp_path, case):
     """Elastic resume: the step-2 checkpoint the 2 ranks wrote (sharded and DDP modules), resumed by one process,
     ends where the uninterrupted one-process run ends."""

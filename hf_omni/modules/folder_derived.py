@@ -39,10 +39,23 @@ def replica(tensor, full=None) -> tuple[int, int]:
     mesh, index, count = tensor.device_mesh, 0, 1
     dims = [(mesh, d) for d, p in enumerate(tensor.placements) if isinstance(p, Replicate)]
     names = mesh.mesh_dim_names or ()
-    dims += [(full, d) for d, n in enumerate(full.mesh_dim_names) if n not in names] if full is not None else []
+    if full is not None and part_of(mesh, full):
+        dims += [(full, d) for d, n in enumerate(full.mesh_dim_names) if n not in names]
     for where, dim in dims:
         index, count = index * where.size(dim) + where.get_local_rank(dim), count * where.size(dim)
     return index, count
+
+
+def part_of(mesh, full) -> bool:
+    """Whether `mesh` is made of dims of `full` (each of its dims groups the same ranks as `full`'s dim of that
+    name): a norm of the tensor-parallel module, not another module's tensor on a mesh with a dim of the same name
+    (an adopted model's export writes every module with the tensor-parallel one's mesh at hand)."""
+    import torch.distributed as dist
+
+    names = full.mesh_dim_names or ()
+    return all(name in names and dist.get_process_group_ranks(mesh.get_group(d)) ==
+               dist.get_process_group_ranks(full.get_group(names.index(name)))
+               for d, name in enumerate(mesh.mesh_dim_names or ()))
 
 
 def rank_world(solo: bool = False) -> tuple[int, int]:

@@ -9,10 +9,14 @@ gradients over the group, scaled by 1/T; `GatherRows`' backward is then a local 
 average over the data-parallel dims then equals the mean over every rank's rows, as for a data-parallel module.
 Ragged groups (ranks with different row counts) are exact; trailing dims must agree (a row tensor whose other dims
 differ across the group is refused by name). Outputs that are not one row per input row (a loss computed inside the
-module, a cache) are refused by name: compute them outside the module from its own rows.
+module, a cache) are refused by name: compute them outside the module from its own rows. A forward taking
+`use_cache` is passed `use_cache=False` where it is unset (a released model's forward calling its LLM).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,7 @@ from torch import nn
 from ..errors import OmniArgumentError
 
 KEY = "parallelism.tp_size"
+ROWS = ("inputs_embeds", "input_ids")  # what gives the rows where present (a (1, seq) position_ids does not)
 SHAPES = 64  # ints of shape metadata each rank sends (rows, then each row tensor's dims)
 
 
@@ -79,6 +84,8 @@ class Boundary:
         self.depth += 1
         if self.depth > 1:
             return None
+        if kwargs.get("use_cache") is None and takes_use_cache(module):  # unset (a released forward's call of its
+            kwargs = {**kwargs, "use_cache": False}  # LLM): no cache (one of the group's rows would be no rank's)
         try:
             return self._gather_inputs(args, kwargs)
         except BaseException:
@@ -87,7 +94,9 @@ class Boundary:
 
     def _gather_inputs(self, args, kwargs):
         named = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
-        first = next((v for _, v in named if isinstance(v, torch.Tensor) and v.ndim), None)
+        first = next((v for k, v in named if k in ROWS and isinstance(v, torch.Tensor)), None)
+        first = first if first is not None else next((v for _, v in named if isinstance(v, torch.Tensor) and v.ndim),
+                                                     None)
         if first is None:
             raise self.refuse("a tensor-parallel module's forward takes its rows as tensors; none was given")
         rows = first.shape[0]
@@ -129,6 +138,18 @@ class Boundary:
             return type(value)(self._keep(v, f"{key}[{i}]") for i, v in enumerate(value))
         raise self.refuse(f"its {key} is a {type(value).__name__}, which the tensor-parallel boundary cannot split "
                           "by rows (a cache: pass use_cache=False)")
+
+
+@functools.cache
+def _signature_has_use_cache(forward) -> bool:
+    try:
+        return "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def takes_use_cache(module: nn.Module) -> bool:
+    return _signature_has_use_cache(type(module).forward)
 
 
 def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...]) -> None:

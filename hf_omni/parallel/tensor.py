@@ -8,6 +8,9 @@ then FSDP2 over its data-parallel dims (`fsdp.py`).
   as a module, so the second holder is untied before and tied again after; both must be split alike (else refused).
 - The module's boundary with the data-parallel rest of the model: `boundary.py` (its forward and input embeddings);
   the other methods a composed forward may call (`generate`, ...) are refused by name when called.
+- An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the released model's plan, its entries
+  under the module's paths, applied to the released model; each path has the boundary (the released forward calls
+  the embeddings, the language model and the head one after another, each on its own rows).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from ..compat import apply_tensor_plan, tensor_parallel_plan
 from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
+from ..modules.units import roots_of, run_roots
 from .boundary import KEY, Boundary, refuse_methods
 from .layouts import Layout, register_layout
 
@@ -26,10 +30,24 @@ class TensorLayout(Layout):
     size_key = "tp_size"
     dim = "tp"
 
+    def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
+        """(the model the plan is applied to, its plan): the module itself, or for an adopted model's module the
+        released model with the entries under the module's paths (its LLM's layers, its `lm_head`)."""
+        roots = roots_of(module)
+        model = getattr(module, "omni_released", None) if roots else module
+        if model is None:
+            return module, {}
+        plan = tensor_parallel_plan(model, self.size("tp_size"), self.size("dp_shard_size"),
+                                    self.size("dp_replicate_size"))
+        if roots:
+            paths = [r.path for r in roots]
+            carved = [f"{r.path}.{c}" for r in roots for c in r.carved]
+            under = lambda key, tops: any(key == top or key.startswith(top + ".") for top in tops)  # noqa: E731
+            plan = {k: v for k, v in plan.items() if under(k, paths) and not under(k, carved)}
+        return model, plan
+
     def plan(self, module: nn.Module) -> dict:
-        sizes = self.sizes
-        return tensor_parallel_plan(module, sizes["tp_size"], sizes.get("dp_shard_size", 1),
-                                    sizes.get("dp_replicate_size", 1))
+        return self.split(module)[1]
 
     def check(self, module: nn.Module) -> None:
         if not self.plan(module):
@@ -38,12 +56,12 @@ class TensorLayout(Layout):
                                     "dp_shard_size / dp_replicate_size only")
 
     def apply(self, module: nn.Module, mesh) -> None:
-        plan = self.plan(module)
-        ties = untie(module, plan)
-        apply_tensor_plan(module, mesh[self.dim], plan)
+        model, plan = self.split(module)
+        ties = untie(model, plan)
+        apply_tensor_plan(model, mesh[self.dim], plan)
         for holder, attr, first, name in ties:
             owner, _, first_attr = first.rpartition(".")
-            tied = getattr(module.get_submodule(owner), first_attr)
+            tied = getattr(model.get_submodule(owner), first_attr)
             mine = getattr(holder, attr)
             if getattr(tied, "placements", None) != getattr(mine, "placements", None):
                 raise OmniArgumentError(self.module_name, KEY, f"{first} and {name} are one tied weight, but its "
@@ -52,8 +70,10 @@ class TensorLayout(Layout):
 
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         embed = embeddings_of(module)
-        Boundary(self.module_name, mesh[self.dim]).install(module, *([embed] if embed is not None else []))
-        refuse_methods(self.module_name, module, methods)
+        roots = run_roots(module)  # an adopted model's module: each of its paths (its LLM, its `lm_head`)
+        Boundary(self.module_name, mesh[self.dim]).install(*roots, *([embed] if embed is not None else []))
+        for root in roots:
+            refuse_methods(self.module_name, root, methods)
 
 
 def untie(module: nn.Module, plan: dict) -> list[tuple[nn.Module, str, str, str]]:

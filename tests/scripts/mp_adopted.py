@@ -14,6 +14,8 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 - offline: Qwen2.5-VL's `get_image_features` (tower + merger, one frozen module) served from the offline cache
   (encoded by both ranks), mixed resolutions, rank 1's first batch without images (no group_by_modality: only the
   cached module reads them), LoRA LLM under FSDP;
+- llava_tp2: LLaVA with its LLM (`model.language_model` and `lm_head`) tensor parallel over the 2 ranks (the
+  released model's plan), each rank's own rows crossing its boundary;
 - empty_init: Qwen2.5-VL from its released folder on the meta device (`from_model(cls, folder, empty_init=True)`),
   every module sharded, each rank reading its own rows of the released files (LLM trained fully: a fresh LoRA's
   draw differs per shard under empty_init);
@@ -59,6 +61,10 @@ CASES = {
     "blip2": ("blip2", {"vision": {"trainable": False, "parallel": "fsdp"},
                         "qformer": {"learning_rate": 1e-2, "parallel": "fsdp"},
                         "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, {}),
+    "llava_tp2": ("llava", {"vision": {"trainable": False, "parallel": "fsdp"},
+                            "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                            "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
+                                    "parallelism": {"dp_shard_size": 1, "tp_size": 2}}}, {}),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
