@@ -1,7 +1,7 @@
 """Per-module meshes at 4 gloo ranks on CPU: the LLM fully sharded, HSDP 2 x 2, replicated, tensor parallel 2 x
 FSDP 2, and a MoE LLM fully sharded or expert parallel 2 x FSDP 4, side by side.
 
-    python bench/mesh.py                  # six 4-rank launches, one per layout (fresh processes); ~8 minutes
+    python bench/mesh.py                  # six 4-rank launches, one per layout (fresh processes); ~6 minutes
     python bench/mesh.py --glibc-default  # the same without MALLOC_MMAP_THRESHOLD_=131072
     python bench/mesh.py --only "TP 2 x FSDP 2|MoE EP 2 x FSDP 4"  # some layouts (names joined by |)
 
