@@ -272,7 +272,7 @@ def layout_theory(llm, layout: str, seq: int, c: int) -> dict[str, float]:
       vocab-parallel embeddings' output (the group's caption tokens, c = 8 per row):
       (7L + 1) x 2(T-1)/T x A + (T-1)/T x T B x seq x ceil(V/T) T x 4 + 2(T-1)/T x T B x c x H x 4.
     - TP boundary: brief: the inputs_embeds rows gathered (B seq H x 4 x (T-1)) and the logits' gradient rows
-      (B seq V x 4 x (T-1)); as run also the input_ids the composed forward embeds (B x 8 x 8), the embeddings'
+      (B seq V x 4 x (T-1)); as run also the input_ids the composed forward embeds (B x c x 8), the embeddings'
       output-gradient rows (B x c x H x 4), and 64 int64 of shape metadata per gathering call (2 per step).
     - EP, ep: per MoE layer, the dispatch and the combine all-to-alls forward and again backward, each sending
       k x B seq x H x 4 x (ep-1)/ep in expectation (uniform routing: each (token, expert) pair's expert on another
