@@ -9,10 +9,13 @@ masters (FSDP2 gathers parameters in bf16: 2 B, reduces gradients in fp32: 4 B; 
 fp32 master, fp32 gradient, two fp32 moments), no activation checkpointing, b tokens per rank:
 - FSDP2 over n ranks on p parameters: all-gather forward + backward 2 x 2p, reduce-scatter 4p, times (n-1)/n. HSDP
   R x S: that over S, plus the all-reduce of the 4p / S gradient shard over R: 2 x 4p / S x (R-1)/R.
-- Tensor parallel T (its FSDP2 over S = world / T on p / T): per layer, 2 all-reduces forward (attention and MLP
-  outputs) and 2 backward (their inputs' gradients), each 2 x (T-1)/T of the group's activations T x b x h x 2 B;
-  the row boundary all-gathers the input embeddings (b x h x 2 B from each of T-1 ranks) and, in backward, the
-  logits' gradient rows (b x V x 2 B from each of T-1 ranks).
+- Tensor parallel T (its FSDP2 over S = world / T on p / T), transformers' styles as `bench/mesh.py` counts them:
+  per layer 2 all-reduces forward (the row-wise o_proj and down_proj outputs) and 5 backward (the input gradient of
+  each column-wise q, k, v, gate, up: they are not fused), plus the vocabulary-split embeddings' output forward and
+  the LM head's input gradient backward, each 2 x (T-1)/T of the group's activations T x b x h x 2 B; the LM head's
+  logits all-gathered over the vocabulary ((T-1)/T x T x b x V x 2 B); the row boundary all-gathers the input
+  embeddings (b x h x 2 B from each of T-1 ranks) and, in backward, the logits' gradient rows (b x V x 2 B from each
+  of T-1 ranks).
 - Expert parallel E (experts FSDP2 over efsdp = world / E on p_experts / E; the dense rest over the world): per MoE
   layer two all-to-alls forward (dispatch, combine) and two backward, each (E-1)/E of b x k x h x 2 B (k: experts
   per token, uniform routing).
@@ -56,7 +59,7 @@ def layouts(world: int):
         rows.append((DENSE["name"], f"HSDP {r} x {NODE}", within, cross, 16 * p / NODE))
     T = min(NODE, world)
     s = world // T
-    acts = L * 4 * 2 * ring(T) * T * b * h * 2 + (T - 1) * b * h * 2 + (T - 1) * b * V * 2
+    acts = (L * 7 + 2) * 2 * ring(T) * T * b * h * 2 + ring(T) * T * b * V * 2 + (T - 1) * b * (h + V) * 2
     shard = fsdp(p / T, s)
     within = acts + (shard if place(world, s, False) == "within" else 0)
     cross = shard if place(world, s, False) == "cross" else 0

@@ -203,7 +203,7 @@ def local_bytes(tensors) -> int:
 
 
 def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
-    """LLM bytes sent per rank per step, within / cross-node, and bytes held. The brief's model, from P: full shard
+    """LLM bytes sent per rank per step, within / cross-node, and bytes held. The textbook model, from P: full shard
     over 4 = all-gather fwd + all-gather bwd (every unit reshards after forward) + reduce-scatter = 3 * 3/4 P =
     2.25P, all cross-node; HSDP 2x2 = the same over the 2 ranks of a node, 3 * 1/2 P = 1.5P, plus the cross-node
     all-reduce of the half shard over 2 ranks, 2 * 1/2 * P/2 = 0.5P; DDP = 2 * 3/4 P = 1.5P, cross-node. As run:
@@ -219,7 +219,7 @@ def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
     params = list(llm.parameters())
     full = sum(p.numel() * 4 for p in params)
     if layout == "replicate (ddp)":
-        return {"P": full, "brief/within": 0.0, "brief/cross": 1.5 * full, "run/within": 0.0, "run/cross": 1.5 * full,
+        return {"P": full, "textbook/within": 0.0, "textbook/cross": 1.5 * full, "run/within": 0.0, "run/cross": 1.5 * full,
                 "state": 4 * full}
     shard = 4 if layout.startswith("full") else 2
     dims = {id(p): next(pl.dim for pl in p.placements if isinstance(pl, Shard)) for p in params}
@@ -229,9 +229,9 @@ def theory(llm, layout: str, root_reshards: bool) -> dict[str, float]:
     backward = sum(v for k, v in padded.items() if root_reshards or k in in_child)
     passes = (2 * gathered + backward) * (shard - 1) / shard  # all-gather fwd + bwd, reduce-scatter
     if shard == 4:
-        return {"P": full, "brief/within": 0.0, "brief/cross": 2.25 * full, "run/within": 0.0, "run/cross": passes,
+        return {"P": full, "textbook/within": 0.0, "textbook/cross": 2.25 * full, "run/within": 0.0, "run/cross": passes,
                 "state": 4 * gathered / shard}
-    return {"P": full, "brief/within": 1.5 * full, "brief/cross": 0.5 * full, "run/within": passes,
+    return {"P": full, "textbook/within": 1.5 * full, "textbook/cross": 0.5 * full, "run/within": passes,
             "run/cross": 2 * (1 / 2) * gathered / shard, "state": 4 * gathered / shard}
 
 
@@ -256,22 +256,23 @@ def shards(llm):
 
 
 def layout_theory(llm, layout: str, seq: int, c: int) -> dict[str, float]:
-    """The new rows' theory on this rank (rank 0 prints the mean over ranks), bytes per step by kind and where, "brief"
-    (the issue's model) and "run" (as run). T: tp size, S / efsdp: data-parallel group of a parameter, L layers,
+    """The new rows' theory on this rank (rank 0 prints the mean over ranks), bytes per step by kind and where,
+    "textbook" (two all-reduces each way per TP layer, no padding) and "run" (as run). T: tp size, S / efsdp:
+    data-parallel group of a parameter, L layers,
     H hidden, V vocab, B rows per rank, seq tokens per row, A = T B x seq x H x 4 (a TP group's activations at one
     layer boundary); n-rank all-reduce sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its output, reduce-scatter
     (n-1)/n of its input, all-to-all the rows for the other ranks.
     - dp, any layout: all-gather forward + backward + reduce-scatter over each parameter's data-parallel group,
-      3 (S-1)/S x its all-gathered bytes per rank; brief: a tp / ep split part P_split counts P_split / T
+      3 (S-1)/S x its all-gathered bytes per rank; textbook: a tp / ep split part P_split counts P_split / T
       (resp. / ep) unpadded, the rest P_repl whole; run: FSDP2's padded chunks of this rank's tp / ep chunk.
       Held: params + grads + 2 AdamW moments = 4 x the shards: 4 (P_split / (S T) + P_repl / S).
-    - TP 2 x FSDP 2, tp: brief: per layer 2 all-reduces of A forward (o_proj, down_proj outputs, Partial ->
+    - TP 2 x FSDP 2, tp: textbook: per layer 2 all-reduces of A forward (o_proj, down_proj outputs, Partial ->
       Replicate) and 2 backward (the colwise input grads), 4L x 2(T-1)/T x A. As run: the backward all-reduces one
       input grad per colwise layer (q, k, v, gate, up: 5 per layer) plus the lm_head's input grad, the forward
       all-gathers the lm_head's logits (colwise_gather_output, vocab padded to a multiple of T) and all-reduces the
       vocab-parallel embeddings' output (the group's caption tokens, c = 8 per row):
       (7L + 1) x 2(T-1)/T x A + (T-1)/T x T B x seq x ceil(V/T) T x 4 + 2(T-1)/T x T B x c x H x 4.
-    - TP boundary: brief: the inputs_embeds rows gathered (B seq H x 4 x (T-1)) and the logits' gradient rows
+    - TP boundary: textbook: the inputs_embeds rows gathered (B seq H x 4 x (T-1)) and the logits' gradient rows
       (B seq V x 4 x (T-1)); as run also the input_ids the composed forward embeds (B x c x 8), the embeddings'
       output-gradient rows (B x c x H x 4), and 64 int64 of shape metadata per gathering call (2 per step).
     - EP, ep: per MoE layer, the dispatch and the combine all-to-alls forward and again backward, each sending
@@ -282,28 +283,28 @@ def layout_theory(llm, layout: str, seq: int, c: int) -> dict[str, float]:
 
     rows, cfg = BATCH, llm.config
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    t = {"P": 0.0, "state/brief": 0.0, "state/run": 0.0}
-    t.update({f"{b}/{k}/{w}": 0.0 for b in ("brief", "run") for k in KINDS for w in ("within", "cross")})
+    t = {"P": 0.0, "state/textbook": 0.0, "state/run": 0.0}
+    t.update({f"{b}/{k}/{w}": 0.0 for b in ("textbook", "run") for k in KINDS for w in ("within", "cross")})
     for full, gathered, split, group in shards(llm):
         ranks = dist.get_process_group_ranks(group)
         n, inner = len(ranks), (WORLD // len(ranks) if split else 1)  # the inner dim's size: tp or ep
         where = "within" if len({r // NODE for r in ranks}) == 1 else "cross"
         t["P"] += full
-        t[f"brief/dp/{where}"] += 3 * (n - 1) / n * full / inner
+        t[f"textbook/dp/{where}"] += 3 * (n - 1) / n * full / inner
         t[f"run/dp/{where}"] += 3 * (n - 1) / n * gathered
-        t["state/brief"] += 4 * full / inner / n
+        t["state/textbook"] += 4 * full / inner / n
         t["state/run"] += 4 * gathered / n
     if "tp_size" in LAYOUTS[layout].get("parallelism", {}):
         T = LAYOUTS[layout]["parallelism"]["tp_size"]
         A = T * rows * seq * H * 4
-        t["brief/tp/within"] = 4 * L * 2 * (T - 1) / T * A
+        t["textbook/tp/within"] = 4 * L * 2 * (T - 1) / T * A
         t["run/tp/within"] = (7 * L + 1) * 2 * (T - 1) / T * A + (T - 1) / T * T * rows * seq * math.ceil(
             V / T) * T * 4 + 2 * (T - 1) / T * T * rows * c * H * 4
-        t["brief/boundary/within"] = (T - 1) * (rows * seq * H * 4 + rows * seq * V * 4)
-        t["run/boundary/within"] = t["brief/boundary/within"] + (T - 1) * (rows * c * 8 + rows * c * H * 4 + 2 * 64 * 8)
+        t["textbook/boundary/within"] = (T - 1) * (rows * seq * H * 4 + rows * seq * V * 4)
+        t["run/boundary/within"] = t["textbook/boundary/within"] + (T - 1) * (rows * c * 8 + rows * c * H * 4 + 2 * 64 * 8)
     if "ep_size" in LAYOUTS[layout].get("parallelism", {}):
         ep, k = LAYOUTS[layout]["parallelism"]["ep_size"], cfg.num_experts_per_tok
-        t["brief/ep/within"] = t["run/ep/within"] = 4 * L * k * rows * seq * H * 4 * (ep - 1) / ep
+        t["textbook/ep/within"] = t["run/ep/within"] = 4 * L * k * rows * seq * H * 4 * (ep - 1) / ep
     return t
 
 
@@ -445,7 +446,7 @@ def main():
     old = [layout for layout in OLD if layout in got]
     if old:
         print("\n| LLM layout | mesh groups (ranks) | held: measured / theory 4P/shards (MiB) | sent/step within / "
-              "cross: brief theory (P) | as run theory (P) | measured, mean of ranks (P) | measured / theory, brief / "
+              "cross: textbook theory (P) | as run theory (P) | measured, mean of ranks (P) | measured / theory, textbook / "
               "as run |")
         print("|---|---|---|---|---|---|---|")
     cross = {}
@@ -453,50 +454,50 @@ def main():
         res = got[layout]
         t, ranks, P = res["theory"], res["ranks"], res["theory"]["P"]
         mean = {k: statistics.mean(llm_sent(r, k) for r in ranks) for k in ("within", "cross")}
-        cross[layout] = (mean["cross"], t["run/cross"], t["brief/cross"])
+        cross[layout] = (mean["cross"], t["run/cross"], t["textbook/cross"])
         held = statistics.mean(r["params"] + r["grads"] + r["optim"] for r in ranks)
-        ratio = {k: (mean["within"] + mean["cross"]) / (t[f"{k}/within"] + t[f"{k}/cross"]) for k in ("brief", "run")}
+        ratio = {k: (mean["within"] + mean["cross"]) / (t[f"{k}/within"] + t[f"{k}/cross"]) for k in ("textbook", "run")}
         print(f"| {layout} | {mesh_groups(ranks)} | {held / MIB:.2f} / {t['state'] / MIB:.2f} | "
-              f"{t['brief/within'] / P:.3f} / {t['brief/cross'] / P:.3f} | {t['run/within'] / P:.4f} / "
+              f"{t['textbook/within'] / P:.3f} / {t['textbook/cross'] / P:.3f} | {t['run/within'] / P:.4f} / "
               f"{t['run/cross'] / P:.4f} | {mean['within'] / P:.4f} / {mean['cross'] / P:.4f} | "
-              f"{ratio['brief']:.4f} / {ratio['run']:.4f} |")
+              f"{ratio['textbook']:.4f} / {ratio['run']:.4f} |")
     if "full shard (4,)" in cross and "HSDP 2x2" in cross:
         full, hsdp = cross["full shard (4,)"], cross["HSDP 2x2"]
         print(f"\nCross-node bytes, full shard / HSDP 2x2: measured {full[0] / hsdp[0]:.3f}, as-run theory "
-              f"{full[1] / hsdp[1]:.3f}, brief theory {full[2] / hsdp[2]:.3f}. FSDP root unit reshards after "
+              f"{full[1] / hsdp[1]:.3f}, textbook theory {full[2] / hsdp[2]:.3f}. FSDP root unit reshards after "
               f"forward: {got['full shard (4,)']['root_reshards']} (hf_omni passes reshard_after_forward=True).")
     new = [layout for layout in got if layout not in OLD]
     if new:
         print("\nBy kind (dp: FSDP2 on parameters; tp: DTensor activations in the TP layers; boundary: the TP "
               "module's row gathers; ep: token all-to-alls and their split counts), sent per rank per step, mean "
               "of ranks, MiB, within / cross-node; theory: `layout_theory`\n")
-        print("| LLM layout | mesh groups (ranks) | kind | measured | brief theory | as run theory | "
-              "measured / theory, brief / as run |")
+        print("| LLM layout | mesh groups (ranks) | kind | measured | textbook theory | as run theory | "
+              "measured / theory, textbook / as run |")
         print("|---|---|---|---|---|---|---|")
     for layout in new:
         t, ranks = got[layout]["theory"], got[layout]["ranks"]
         for kind in KINDS:
             m = {w: statistics.mean(r["sent"].get(f"{kind}/{w}", 0.0) for r in ranks) for w in ("within", "cross")}
-            b, a = (sum(t[f"{x}/{kind}/{w}"] for w in ("within", "cross")) for x in ("brief", "run"))
+            b, a = (sum(t[f"{x}/{kind}/{w}"] for w in ("within", "cross")) for x in ("textbook", "run"))
             if not (sum(m.values()) or a):
                 continue
             pair = lambda x: f"{t[f'{x}/{kind}/within'] / MIB:.3f} / {t[f'{x}/{kind}/cross'] / MIB:.3f}"  # noqa: E731
             ratio = " / ".join(f"{sum(m.values()) / x:.4f}" if x else "-" for x in (b, a))
             print(f"| {layout} | {mesh_groups(ranks)} | {kind} | {m['within'] / MIB:.3f} / {m['cross'] / MIB:.3f} "
-                  f"| {pair('brief')} | {pair('run')} | {ratio} |")
+                  f"| {pair('textbook')} | {pair('run')} | {ratio} |")
         m = {w: statistics.mean(llm_sent(r, w) for r in ranks) for w in ("within", "cross")}
-        b, a = (sum(t[f"{x}/{k}/{w}"] for k in KINDS for w in ("within", "cross")) for x in ("brief", "run"))
+        b, a = (sum(t[f"{x}/{k}/{w}"] for k in KINDS for w in ("within", "cross")) for x in ("textbook", "run"))
         print(f"| {layout} | | all LLM | {m['within'] / MIB:.3f} / {m['cross'] / MIB:.3f} | {b / MIB:.3f} | "
               f"{a / MIB:.3f} | {sum(m.values()) / b:.4f} / {sum(m.values()) / a:.4f} |")
     if new:
-        print("\n| LLM layout | P (MiB) | held per rank: measured, min–max of ranks (MiB) | brief theory | as run "
+        print("\n| LLM layout | P (MiB) | held per rank: measured, min–max of ranks (MiB) | textbook theory | as run "
               "theory (mean of ranks) | measured (mean) / as run |")
         print("|---|---|---|---|---|---|")
     for layout in new:
         t, ranks = got[layout]["theory"], got[layout]["ranks"]
         held = [r["params"] + r["grads"] + r["optim"] for r in ranks]
         print(f"| {layout} | {t['P'] / MIB:.2f} | {min(held) / MIB:.3f}–{max(held) / MIB:.3f} | "
-              f"{t['state/brief'] / MIB:.3f} | {t['state/run'] / MIB:.3f} | "
+              f"{t['state/textbook'] / MIB:.3f} | {t['state/run'] / MIB:.3f} | "
               f"{statistics.mean(held) / t['state/run']:.4f} |")
     if "MoE full shard (4,)" in got and "MoE EP 2 x FSDP 4" in got:
         full, ep = (got[x]["ranks"] for x in ("MoE full shard (4,)", "MoE EP 2 x FSDP 4"))
