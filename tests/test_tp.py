@@ -17,6 +17,7 @@ tp-replicated tensor."""
 import pytest
 import torch
 import tp_scenarios
+from ema_runs import ema_state
 from helpers import assert_state_close, full_state, make_args, step_losses, tiny_data, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,6 +52,11 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert_state_close(got["state"], full_state(model), atol=atol)
     check_placements(name, got["placements"])
     assert got["dtype"] == "torch.float32"  # bf16 compute: fp32 masters
+    if name in tp_scenarios.EMA:  # the llm's EMA shadows: as one process's, resumed bitwise from the checkpoint
+        shadows = ema_state(model)["llm"]["shadows"]
+        assert_state_close(got["ema"]["llm"]["shadows"], shadows, atol=atol)
+        assert_state_close(got["resumed_ema"]["llm"]["shadows"], got["ema"]["llm"]["shadows"], atol=0)
+        assert got["ema"]["llm"]["step"] == 3
     assert got["checkpointing"] == ("_ac" in name)
     assert got["save_async"] == tp_scenarios.save(name)["save_async"]  # checkpoint-2 by the writer thread
     # resumed from its checkpoint-2 at the same layout: the last step and the final weights as the run itself

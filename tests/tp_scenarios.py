@@ -56,7 +56,7 @@ COMMON = dict(max_steps=3)
 TP2, DP2_TP2 = {"dp_shard_size": 1, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}
 SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process runs the same global batch of 8
     "tp2": (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4)),
-    "dp2_tp2": (4, llm(DP2_TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
+    "dp2_tp2": (4, llm(DP2_TP2, max_grad_norm=0.5, ema={"decay": 0.8}), dict(per_device_train_batch_size=2)),
     # accumulation windows (the boundary's collectives run every micro-step) and activation checkpointing (the
     # recompute runs the split layers' collectives again)
     "tp2_accumulation_ac": (2, llm(TP2, activation_checkpointing=True),
@@ -68,8 +68,10 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 # expert whole on one rank; 4 ranks: each pair of ranks holding the same experts shards them); every module clipped to
 # one global norm over several meshes (plain, dense, the experts')
 SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}), dict(per_device_train_batch_size=4))
-SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}), dict(per_device_train_batch_size=2))
+SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, ema={"decay": 0.8}),
+                        dict(per_device_train_batch_size=2))
 MOE = {"ep2", "dp4_ep2"}
+EMA = {"dp2_tp2", "dp4_ep2"}  # the llm's EMA shadows split like it: updated, checkpointed and resumed
 # bf16 compute on a Llama saved in bf16: fp32 masters split by tp, gathered in bf16, exported in bf16
 SCENARIOS["tp2_bf16"] = (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
 BF16 = {"tp2_bf16"}

@@ -15,6 +15,7 @@ import helpers
 import torch
 import torch.distributed as dist
 import tp_scenarios
+from ema_runs import ema_state
 
 from hf_omni import OmniTrainer
 from launching import end_distributed
@@ -37,12 +38,14 @@ def main(out_dir: str):
                             train_dataset=helpers.tiny_data(resumed))
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
         resumed_state = helpers.full_state(resumed)
+        emas = (ema_state(model), ema_state(resumed))
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
                         "checkpointing": model.llm.is_gradient_checkpointing,
                         "dtype": str(model.llm.model.norm.weight.dtype),
                         "save_async": trainer.plugin.checkpointer.save_async,
-                        "resumed_losses": helpers.step_losses(again), "resumed": resumed_state},
+                        "resumed_losses": helpers.step_losses(again), "resumed": resumed_state,
+                        "ema": emas[0], "resumed_ema": emas[1]},
                        os.path.join(out_dir, f"{name}.pt"))
 
 
