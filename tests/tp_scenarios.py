@@ -65,9 +65,11 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 
 
 # expert parallelism: the Qwen2-MoE language model's 4 experts over 2 ranks, each rank its own rows (2 ranks: every
-# expert whole on one rank; 4 ranks: each pair of ranks holding the same experts shards them); every module clipped to
-# one global norm over several meshes (plain, dense, the experts')
-SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}), dict(per_device_train_batch_size=4))
+# expert whole on one rank, with accumulation windows and activation checkpointing; 4 ranks: each pair of ranks
+# holding the same experts shards them); every module clipped to one global norm over several meshes (plain, dense,
+# the experts')
+SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}, activation_checkpointing=True),  # recomputes routing
+                    dict(per_device_train_batch_size=2, gradient_accumulation_steps=2))
 SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, ema={"decay": 0.8}),
                         dict(per_device_train_batch_size=2))
 MOE = {"ep2", "dp4_ep2"}
