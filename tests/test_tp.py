@@ -205,8 +205,9 @@ def prepare_on_fake_rank(model, modules: dict, tmp_path) -> None:
     try:
         OmniPlugin(modules=modules, output_dir=str(tmp_path)).resolve(model)
         apply_training_modes(model.slots)
-        prepare_modules(types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no"), model,
-                        fsdp_scope="module")
+        accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no",
+                                            prepare_model=lambda model, **kwargs: model)  # placement: none on CPU
+        prepare_modules(accelerator, model, fsdp_scope="module")
     finally:
         dist.destroy_process_group()
 
@@ -286,3 +287,36 @@ def test_tp_replicated_tensors_are_written_once_per_tp_group():
         assert (lo, hi) == (0, 4)
 
     on_fake_rank(check)
+
+
+def moe_llm(family: str):
+    """A tiny Mixtral / Qwen3-MoE / DeepSeek-V3 (4 fused experts each) with transformers' expert-parallel plan."""
+    import transformers
+
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, num_experts_per_tok=2)
+    config = {"mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, **common),
+              "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=8, **common),
+              "deepseek_v3": lambda: transformers.DeepseekV3Config(
+                  n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=0,
+                  n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                  v_head_dim=4, **common)}[family]()
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_experts_of_every_moe_family_are_spread(tmp_path, family):
+    """Rank 0 of 2 (fake process group) at dp_shard 2 x ep 2: each family's fused experts split by its transformers
+    plan, 2 whole experts on this rank, FSDP2's rows nested inside them; the router stays dense."""
+    from hf_omni import OmniModel
+
+    model = OmniModel.from_modules({"llm": moe_llm(family)})
+    prepare_on_fake_rank(model, {"llm": {"parallel": "fsdp", "parallelism": EP2}}, tmp_path)
+    mlp = model.llm.model.layers[0].mlp
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(mlp.experts, name)
+        assert str(weight.placements) == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", (name, weight.placements)
+        assert weight.shape[0] == 4 and weight.to_local().shape[0] == 2
+    assert mlp.experts.num_experts == 2  # the local count: the experts' forward skips the others' ids
+    router = next(p for n, p in mlp.named_parameters() if "gate" in n and "experts" not in n and "proj" not in n)
+    assert str(router.placements) == "(Shard(dim=0),)"
