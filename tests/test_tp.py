@@ -53,6 +53,7 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert_state_close(got["state"], full_state(model), atol=atol)
     check_placements(name, got["placements"])
     assert got["dtype"] == "torch.float32"  # bf16 compute: fp32 masters
+    assert got["managed"]  # transformers' generate on it runs with synced_gpus (ranks ending first keep joining)
     if name in tp_scenarios.EMA:  # the llm's EMA shadows: as one process's, resumed bitwise from the checkpoint
         shadows = ema_state(model)["llm"]["shadows"]
         assert_state_close(got["ema"]["llm"]["shadows"], shadows, atol=atol)
@@ -98,9 +99,11 @@ def check_placements(name: str, placements: dict) -> None:
     over the dp dims of (dp_shard, tp); its expert-parallel plan under FSDP2 over (efsdp, ep); FSDP2 alone."""
     strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # FSDP2's rows nested inside tp's / ep's
     if name in tp_scenarios.MOE:
-        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == strided
-        assert placements["model.layers.0.mlp.experts.down_proj"] == strided
-        assert placements["model.layers.0.mlp.gate.weight"] == "(Shard(dim=0),)"  # the router: dense
+        replicas = "(Replicate(), " if name.startswith("hsdp") else "("  # HSDP: (dp_replicate, efsdp, ep)
+        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == replicas + strided[1:]
+        assert placements["model.layers.0.mlp.experts.down_proj"] == replicas + strided[1:]
+        router = "(Replicate(), Shard(dim=0))" if replicas[1:] else "(Shard(dim=0),)"
+        assert placements["model.layers.0.mlp.gate.weight"] == router  # the router: dense
     elif name.startswith("dp2_tp2_to_"):
         assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
     else:
@@ -125,9 +128,14 @@ def test_empty_init_split_module_reads_its_boxes(launched, tmp_path, name):
 
 
 def test_ragged_rows_cross_the_boundary_exactly(launched):
-    """Rank 0 runs 1 row, rank 1 runs 2 through one tp-2 Llama: loss, parameter and input gradients as one process."""
+    """Rank 0 runs 1 row, rank 1 runs 2 through one tp-2 Llama: loss, parameter and input gradients as one process.
+    Then rank 1 alone calls it without rows: both ranks raise the same refusal, naming rank 1, and the next call runs
+    on each rank's own rows again."""
     ranks = launched["ragged"]
     assert [r["rows"][0] for r in ranks] == [1, 2]
+    assert ranks[0]["refused"] == ranks[1]["refused"] and "rank 1 of its tensor-parallel group called it with no row" \
+        in ranks[0]["refused"] and "parallelism.tp_size" in ranks[0]["refused"], [r["refused"] for r in ranks]
+    assert [r["rows_after"][0] for r in ranks] == [1, 2]
     for r in ranks:
         assert r["loss"] < 1e-6 and r["params"] < 1e-7 and r["input"] < 1e-8, r
         assert r["grad_scale"] > 1e-4  # the gradients compared are not all zero
@@ -171,6 +179,14 @@ def test_refused_expert_parallel_arguments(tmp_path, modules, match):
         OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
     with pytest.raises(OmniArgumentError, match=r"parallelism\.ep_size.*per module"):
         make_args(tmp_path, parallel="fsdp", parallelism=EP2)
+
+
+def test_tensor_layout_refuses_styles_it_does_not_serve():
+    """Qwen2-MoE's tensor-parallel plan packs gate and up and splits its experts (`packed_colwise`, `moe_tp_experts`):
+    refused by module and key, pointing to ep_size."""
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*as `(packed_colwise|moe_tp_experts)`.*"
+                                                r"use ep_size"):
+        layouts_for("llm", TP2)[0].check(tp_scenarios.tp_model(moe=True).llm)
 
 
 def test_expert_layout_refuses_what_it_cannot_spread():

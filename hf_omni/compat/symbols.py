@@ -43,6 +43,9 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("diffusers", "diffusers.models.modeling_utils.ModelMixin._supports_gradient_checkpointing"),
     ("transformers", "transformers.PreTrainedModel._resolve_parallel_plans"),
     ("transformers", "transformers.distributed.expert_parallel.apply_expert_parallelism"),
+    ("transformers", "transformers.distributed.utils.TransformersDeviceMesh"),
+    ("transformers", "transformers.distributed.fsdp.is_fsdp_managed_module"),
+    ("transformers", "transformers.distributed.tensor_parallel.apply_tensor_parallelism"),
 ]
 
 

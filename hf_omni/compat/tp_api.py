@@ -43,11 +43,12 @@ def expert_parallel_plan(module: nn.Module, ep_size: int, dp_shard_size: int, dp
 def apply_tensor_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     """Shard `module`'s parameters by `plan` on `tp_mesh` (DTensors; no communication: each rank keeps its chunk of
     what it holds) and install the styles' forwards (plain tensors between layers). `_mesh_manager` is what the
-    `unit_*` styles read (here the dense mesh stands for the expert one too: no expert parallelism yet)."""
+    `unit_*` styles read (tensor parallelism alone: the dense mesh stands for the expert one)."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
     from transformers.distributed.utils import TransformersDeviceMesh
 
     resolve("transformers.distributed.utils.TransformersDeviceMesh")
+    resolve("transformers.distributed.tensor_parallel.apply_tensor_parallelism")
     module._mesh_manager = TransformersDeviceMesh(tp_mesh, tp_mesh)
     apply_tensor_parallelism(module, tp_mesh, plan)
 
@@ -61,3 +62,11 @@ def apply_expert_plan(module: nn.Module, ep_mesh, tp_mesh, plan: dict) -> None:
 
     resolve("transformers.distributed.expert_parallel.apply_expert_parallelism")
     apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+
+
+def mark_sharded(module: nn.Module) -> None:
+    """Make transformers' `generate` on `module` run with `synced_gpus=True` (what it does for a model it sharded
+    itself): ranks whose sequences end first keep joining the sharded module's collectives (FSDP2's gathers, the
+    experts' all-to-alls) until every rank is done, instead of leaving the others waiting."""
+    resolve("transformers.distributed.fsdp.is_fsdp_managed_module")
+    module._is_fsdp_managed_module = True  # the attribute `is_fsdp_managed_module` reads

@@ -53,6 +53,8 @@ def part_of(mesh, full) -> bool:
     import torch.distributed as dist
 
     names = full.mesh_dim_names or ()
+    if not mesh.mesh_dim_names:  # unnamed: not a sub-mesh of a named one
+        return False
     return all(name in names and dist.get_process_group_ranks(mesh.get_group(d)) ==
                dist.get_process_group_ranks(full.get_group(names.index(name)))
                for d, name in enumerate(mesh.mesh_dim_names or ()))

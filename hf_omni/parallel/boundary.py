@@ -26,6 +26,7 @@ from ..errors import OmniArgumentError
 
 KEY = "parallelism.tp_size"
 ROWS = ("inputs_embeds", "input_ids")  # what gives the rows where present (a (1, seq) position_ids does not)
+NO_ROWS, TOO_MANY = -2, -3  # what a rank sends in place of its rows when it cannot describe them
 SHAPES = 64  # ints of shape metadata each rank sends (rows, then each row tensor's dims)
 
 
@@ -86,27 +87,28 @@ class Boundary:
             return None
         if kwargs.get("use_cache") is None and takes_use_cache(module):  # unset (a released forward's call of its
             kwargs = {**kwargs, "use_cache": False}  # LLM): no cache (one of the group's rows would be no rank's)
-        try:
-            return self._gather_inputs(args, kwargs)
-        except BaseException:
-            self.depth = 0
-            raise
+        self.sizes = None  # a refusal below: `after` (always called, also then) keeps nothing and undoes `depth`
+        return self._gather_inputs(module, args, kwargs)
 
-    def _gather_inputs(self, args, kwargs):
+    def _gather_inputs(self, module, args, kwargs):
         named = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
         first = next((v for k, v in named if k in ROWS and isinstance(v, torch.Tensor)), None)
         first = first if first is not None else next((v for _, v in named if isinstance(v, torch.Tensor) and v.ndim),
                                                      None)
-        if first is None:
-            raise self.refuse("a tensor-parallel module's forward takes its rows as tensors; none was given")
-        rows = first.shape[0]
+        rows = first.shape[0] if first is not None else NO_ROWS
         keys = [k for k, v in named if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows]
         mine = [rows] + [d for k in keys for d in (dict(named)[k].ndim, *dict(named)[k].shape[1:])]
-        if len(mine) > SHAPES:
-            raise self.refuse(f"more row inputs than the boundary describes ({keys})")
-        meta = torch.tensor(mine + [-1] * (SHAPES - len(mine)), dtype=torch.int64, device=first.device)
+        mine = mine if len(mine) <= SHAPES else [TOO_MANY]
+        device = first.device if first is not None else next(module.parameters()).device
+        meta = torch.tensor(mine + [-1] * (SHAPES - len(mine)), dtype=torch.int64, device=device)
         every = [torch.empty_like(meta) for _ in range(self.size)]
-        dist.all_gather(every, meta, group=self.group)
+        dist.all_gather(every, meta, group=self.group)  # every rank, whatever it found: a refusal is everyone's
+        failed = [(rank, int(other[0])) for rank, other in enumerate(every) if int(other[0]) < 0]
+        if failed:
+            rank, code = failed[0]
+            raise self.refuse(f"rank {rank} of its tensor-parallel group " + (
+                "called it with no row tensor (its forward takes its rows as tensors)" if code == NO_ROWS else
+                f"called it with more row inputs than the boundary describes ({SHAPES} ints)"))
         if any(not torch.equal(other[1:], meta[1:]) for other in every):
             raise self.refuse(f"the ranks of one tensor-parallel group call it with row inputs {keys} whose other "
                               "dims (or number) differ (pad them to one length across the group)")

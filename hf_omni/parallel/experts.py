@@ -76,5 +76,7 @@ class ExpertLayout(Layout):
         for unit in self.units:
             fully_shard(unit, **{**kwargs, "mesh": data})
             unit.set_gradient_divide_factor(float(replicate * self.size("dp_shard_size")))
-            if data.size() > 1:  # a factor other than the group size is PREMUL_SUM: gloo has none, NCCL bf16 zeroes
-                unit.set_force_sum_reduction_for_comms(True)
+            if experts["efsdp"].size() > 1:  # a factor other than the group size is PREMUL_SUM (gloo has none, NCCL
+                unit.set_force_sum_reduction_for_comms(True)  # bf16 zeroes): sum, then divide. Over one efsdp rank
+                # FSDP2 divides its copy by the factor and all-reduces the replicas with SUM: forced, it would divide
+                # twice

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, own_tensors
+from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, mark_sharded, own_tensors
 from ..errors import OmniArgumentError
 from ..modules.classes import embeddings_of
 from ..modules.units import RootedModule, roots_of, run_roots
@@ -95,6 +95,9 @@ class FsdpStrategy(Strategy):
             layout.after_fsdp(module, self.mesh, FORWARD_METHODS)
         self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
         self.module = module
+        for model in [*run_roots(module), getattr(module, "omni_released", None)]:  # `generate` with synced_gpus
+            if model is not None:
+                mark_sharded(model)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Inside a window: with `sync_each_batch` (the default) every micro-step still reduce-scatters, so each rank

@@ -4,7 +4,8 @@ whole world); `{dp_replicate_size: R, dp_shard_size: S}` is HSDP (`fully_shard` 
 groups of S ranks, replicas across them); `tp_size: T` adds tensor parallelism inside the module (its own
 transformers plan, `tensor.py`) on the innermost mesh dim `tp`. R x S x T must equal the world size: every mesh spans
 every rank. `ep_size: E` spreads a MoE module's experts over E ranks (`experts.py`) on an expert mesh of the same
-ranks; as in transformers' `DistributedConfig` it divides S x T and does not multiply the world size. A replicate-only entry is `parallel: ddp`'s job; context and sequence parallelism are refused.
+ranks; as in transformers' `DistributedConfig` it divides S x T and does not multiply the world size. A
+replicate-only entry is `parallel: ddp`'s job; context and sequence parallelism are refused.
 Meshes are built once per distinct shape and dim names, on every rank in the same order, and shared between modules."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def check_parallelism(module: str | None, value: dict) -> None:
                                 "supported: use ep_size with dp_shard_size (and dp_replicate_size) only")
     if ep > 1 and (shard * tp) % ep:
         raise OmniArgumentError(module, "parallelism.ep_size", f"must divide dp_shard_size x tp_size = {shard * tp} "
+                                "(set dp_shard_size: with ep_size the entry names every size) "
                                 f"(transformers' DistributedConfig rule: experts are spread inside the shard group, "
                                 f"never over more ranks), got {ep}")
     if value.get("dp_replicate_size", 1) > 1 and value.get("dp_shard_size", 1) == 1:

@@ -25,6 +25,9 @@ from .boundary import KEY, Boundary, refuse_methods
 from .layouts import Layout, register_layout
 
 
+STYLES = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}  # transformers' styles, as tested
+
+
 @register_layout
 class TensorLayout(Layout):
     size_key = "tp_size"
@@ -50,7 +53,13 @@ class TensorLayout(Layout):
         return self.split(module)[1]
 
     def check(self, module: nn.Module) -> None:
-        if not self.plan(module):
+        plan = self.plan(module)
+        other = next(((name, style) for name, style in plan.items() if style not in STYLES), None)
+        if other is not None:  # packed (fused gate_up), experts, replicated-with-all-reduce: untested here
+            raise OmniArgumentError(self.module_name, KEY, f"its plan splits {other[0]} as `{other[1]}`, which "
+                                    f"hf_omni does not support yet (supported: {', '.join(sorted(STYLES))}); for MoE "
+                                    "experts use ep_size")
+        if not plan:
             raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has no tensor-parallel plan "
                                     "(transformers' `config.base_model_tp_plan` / the class's `_tp_plan`): use "
                                     "dp_shard_size / dp_replicate_size only")

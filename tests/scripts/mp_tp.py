@@ -18,7 +18,9 @@ import tp_scenarios
 from ema_runs import ema_state
 
 from hf_omni import OmniTrainer
+from hf_omni.errors import OmniArgumentError
 from launching import end_distributed
+from transformers.integrations.fsdp import is_fsdp_managed_module
 
 
 def main(out_dir: str):
@@ -43,6 +45,7 @@ def main(out_dir: str):
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
                         "checkpointing": model.llm.is_gradient_checkpointing,
                         "dtype": str(model.llm.model.norm.weight.dtype),
+                        "managed": is_fsdp_managed_module(model.llm),
                         "save_async": trainer.plugin.checkpointer.save_async,
                         "resumed_losses": helpers.step_losses(again), "resumed": resumed_state,
                         "ema": emas[0], "resumed_ema": emas[1]},
@@ -79,6 +82,11 @@ def ragged(out_dir: str):
     diffs = {"loss": (loss - losses[rank]).abs().item(), "input": (x.grad - world * xs[rank].grad).abs().max().item(),
              "params": max((grads[n] - ref[n].grad).abs().max().item() for n in grads),
              "rows": tuple(x.shape), "grad_scale": ref["model.norm.weight"].grad.abs().max().item()}
+    try:  # rank 1 alone gives no rows: every rank raises the refusal (none waits in the gather)
+        llm(inputs_embeds=mine.clone() if rank == 0 else None, use_cache=False)
+    except OmniArgumentError as err:
+        diffs["refused"] = str(err)
+    diffs["rows_after"] = tuple(llm(inputs_embeds=mine.clone(), use_cache=False).logits.shape)  # own rows again
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
 
 
