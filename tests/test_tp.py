@@ -100,10 +100,13 @@ def check_placements(name: str, placements: dict) -> None:
     strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # FSDP2's rows nested inside tp's / ep's
     if name in tp_scenarios.MOE:
         replicas = "(Replicate(), " if name.startswith("hsdp") else "("  # HSDP: (dp_replicate, efsdp, ep)
-        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == replicas + strided[1:]
-        assert placements["model.layers.0.mlp.experts.down_proj"] == replicas + strided[1:]
-        router = "(Replicate(), Shard(dim=0))" if replicas[1:] else "(Shard(dim=0),)"
-        assert placements["model.layers.0.mlp.gate.weight"] == router  # the router: dense
+        # 3 experts a rank over 2 efsdp ranks would pad: FSDP2 shards them on dim 1 inside the expert range
+        experts = "(Shard(dim=1), Shard(dim=0))" if name == "dp4_ep2" else replicas + strided[1:]
+        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == experts
+        assert placements["model.layers.0.mlp.experts.down_proj"] == experts
+        router = "(Replicate(), Shard(dim=0))" if replicas[1:] else "(Shard(dim=1),)" if name == "dp4_ep2" else \
+            "(Shard(dim=0),)"  # the router: dense (its 6 rows over 4 ranks: on its columns)
+        assert placements["model.layers.0.mlp.gate.weight"] == router
     elif name.startswith("dp2_tp2_to_"):
         assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
     else:
@@ -194,11 +197,11 @@ def test_expert_layout_refuses_what_it_cannot_spread():
     are refused by module and key before anything is split."""
     with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.ep_size.*LlamaForCausalLM has no expert-parallel"):
         layouts_for("llm", EP2)[0].check(tiny_model().llm)
-    moe = tp_scenarios.tp_model(moe=True).llm  # 4 experts
+    moe = tp_scenarios.tp_model(moe=True).llm  # 6 experts
     layouts_for("llm", EP2)[0].check(moe)
-    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.ep_size.*experts.gate_up_proj holds 4 experts, "
-                                                r"which 8 ranks cannot hold evenly"):
-        layouts_for("llm", {"dp_shard_size": 8, "ep_size": 8})[0].check(moe)
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.ep_size.*experts.gate_up_proj holds 6 experts, "
+                                                r"which 4 ranks cannot hold evenly"):
+        layouts_for("llm", {"dp_shard_size": 4, "ep_size": 4})[0].check(moe)
 
 
 def test_tensor_parallelism_is_per_module_only(tmp_path):
@@ -208,8 +211,8 @@ def test_tensor_parallelism_is_per_module_only(tmp_path):
         make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": {"cp_size": 2}}})
 
 
-def prepare_on_fake_rank(model, modules: dict, tmp_path) -> None:
-    """The driver's preparation of `model` as rank 0 of 2 (torch's fake process group: no data moves)."""
+def prepare_on_fake_rank(model, modules: dict, tmp_path, world: int = 2) -> None:
+    """The driver's preparation of `model` as rank 0 of `world` (torch's fake process group: no data moves)."""
     import types
 
     import torch.distributed as dist
@@ -217,7 +220,7 @@ def prepare_on_fake_rank(model, modules: dict, tmp_path) -> None:
     from hf_omni import OmniPlugin
     from hf_omni.parallel.driver import apply_training_modes, prepare_modules
 
-    init_fake_process_group(0, 2)
+    init_fake_process_group(0, world)
     try:
         OmniPlugin(modules=modules, output_dir=str(tmp_path)).resolve(model)
         apply_training_modes(model.slots)
@@ -336,3 +339,16 @@ def test_experts_of_every_moe_family_are_spread(tmp_path, family):
     assert mlp.experts.num_experts == 2  # the local count: the experts' forward skips the others' ids
     router = next(p for n, p in mlp.named_parameters() if "gate" in n and "experts" not in n and "proj" not in n)
     assert str(router.placements) == "(Shard(dim=0),)"
+
+
+def test_experts_fewer_than_their_efsdp_ranks_are_sharded_on_a_dim_that_divides(tmp_path):
+    """Rank 0 of 8 at dp_shard 8 x ep 4: each rank's one Mixtral expert (of 4) over 2 efsdp ranks would be padded to
+    one whole expert a rank on dim 0; FSDP2 shards it on dim 1 instead, half of it on each."""
+    from hf_omni import OmniModel
+
+    model = OmniModel.from_modules({"llm": moe_llm("mixtral")})
+    prepare_on_fake_rank(model, {"llm": {"parallel": "fsdp", "parallelism": {"dp_shard_size": 8, "ep_size": 4}}},
+                         tmp_path, world=8)
+    weight = model.llm.model.layers[0].mlp.experts.gate_up_proj  # [4, 64, 16]
+    assert str(weight.placements) == "(Shard(dim=1), Shard(dim=0))"
+    assert tuple(weight.to_local().shape) == (1, 32, 16)

@@ -25,7 +25,7 @@ class RowLossCaptioner(Captioner):
 
 def tp_model(seed: int = 0, tied: bool = False, moe: bool = False) -> RowLossCaptioner:
     """The tiny captioner; `tied`: its Llama with tied input embeddings and LM head (the same seed); `moe`: a
-    Qwen2-MoE language model of the same width instead (4 fused experts, top 2, a shared expert)."""
+    Qwen2-MoE language model of the same width instead (6 fused experts, top 2, a shared expert)."""
     base = helpers.tiny_model(seed)
     modules = base.omni_modules()
     if moe:
@@ -36,7 +36,7 @@ def tp_model(seed: int = 0, tied: bool = False, moe: bool = False) -> RowLossCap
         modules["llm"] = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             vocab_size=llama.vocab_size, hidden_size=llama.hidden_size, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+            num_experts=6, num_experts_per_tok=2, max_position_embeddings=64))
     if tied:
         from transformers import LlamaForCausalLM
 
@@ -64,9 +64,9 @@ SCENARIOS = {  # name: (processes, modules, multi-rank arguments); one process r
 }
 
 
-# expert parallelism: the Qwen2-MoE language model's 4 experts over 2 ranks, each rank its own rows (2 ranks: every
+# expert parallelism: the Qwen2-MoE language model's 6 experts over 2 ranks, each rank its own rows (2 ranks: every
 # expert whole on one rank, with accumulation windows and activation checkpointing; 4 ranks: each pair of ranks
-# holding the same experts shards them); every module clipped to one global norm over several meshes (plain, dense,
+# holding the same 3 experts shards them on dim 1, which 2 divides); every module clipped to one global norm over several meshes (plain, dense,
 # the experts')
 SCENARIOS["ep2"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}, activation_checkpointing=True),  # recomputes routing
                     dict(per_device_train_batch_size=2, gradient_accumulation_steps=2))

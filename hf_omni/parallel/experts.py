@@ -12,6 +12,8 @@ ranks by the class's own transformers plan (`config.base_model_ep_plan`), tokens
 - Gradients: an expert's local gradient already sums the tokens of its E ranks; FSDP2's reduction over efsdp (a sum)
   and over the replicas then covers every rank's batch, divided by R x S (the data-parallel size, as the dense
   parameters' average): the mean over every rank's loss, as a data-parallel module.
+- FSDP2 shards each rank's experts over efsdp on dim 0 unless that pads them by more than 5% (fewer local experts
+  than efsdp ranks), then on a dim that divides (`placement.shard_dim` of the local shape).
 - Not with `tp_size` in the same module, and not with LoRA (refused by name at parse time).
 """
 
@@ -22,6 +24,7 @@ from torch import nn
 from ..compat import apply_expert_plan, expert_parallel_plan
 from ..errors import OmniArgumentError
 from .layouts import Layout, register_layout
+from .placement import shard_dim
 
 KEY = "parallelism.ep_size"
 FUSED = "grouped_gemm"  # the plan's style of a fused expert weight (experts on its dim 0)
@@ -73,10 +76,25 @@ class ExpertLayout(Layout):
 
         experts, replicate = self.mesh(), self.size("dp_replicate_size")
         data = experts["dp_replicate", "efsdp"] if replicate > 1 else experts["efsdp"]
+        place = local_placement_fn(experts["efsdp"].size())
         for unit in self.units:
-            fully_shard(unit, **{**kwargs, "mesh": data})
+            fully_shard(unit, **{**kwargs, "mesh": data, "shard_placement_fn": place})
             unit.set_gradient_divide_factor(float(replicate * self.size("dp_shard_size")))
             if experts["efsdp"].size() > 1:  # a factor other than the group size is PREMUL_SUM (gloo has none, NCCL
                 unit.set_force_sum_reduction_for_comms(True)  # bf16 zeroes): sum, then divide. Over one efsdp rank
                 # FSDP2 divides its copy by the factor and all-reduces the replicas with SUM: forced, it would divide
                 # twice
+
+
+def local_placement_fn(ranks: int):
+    """FSDP2's dim for each expert weight over `ranks` efsdp ranks: `placement.shard_dim` of this rank's experts
+    (its local shape: experts / E rows), so experts that do not divide over efsdp (Mixtral's 8 over ep 8 and efsdp 64:
+    one expert a rank) are sharded on a dim that divides instead of padded to one whole expert per rank."""
+    from torch.distributed.tensor import Shard
+
+    def place(param):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        dim = shard_dim(tuple(local.shape), ranks)
+        return Shard(dim) if dim else None
+
+    return place

@@ -140,14 +140,17 @@ there and back: `device.on_group_device`). gloo (CPU) has no all-to-all: torch a
 
 
 def one_cut(tensor):
-    """`tensor` with dim 0 cut by one mesh dim at most: where several cut it (FSDP2's rows nested inside expert or
-    tensor parallelism's, `(_StridedShard(0), Shard(0))`), the inner ones gathered (`Replicate`: an all-gather over
-    them, each rank receiving and holding the rows of its outer part: 1/E of an expert tensor). A collective every
-    rank of its mesh joins, in the same order; anything else as is."""
+    """`tensor` with dim 0 cut by one mesh dim and no other dim cut, where dim 0 is cut and something else is too
+    (FSDP2's rows or columns inside expert or tensor parallelism's rows: `(_StridedShard(0), Shard(0))`,
+    `(Shard(1), Shard(0))`): every mesh dim but the outermost cutting dim 0 gathered (`Replicate`: an all-gather over
+    them, each rank receiving and holding its outer part: 1/E of an expert tensor). A collective every rank of its
+    mesh joins, in the same order; anything else as is."""
     from torch.distributed.tensor import Replicate
 
-    cuts = shard_dims(tensor).get(0, [])
-    if len(cuts) < 2:
+    dims = shard_dims(tensor)
+    rows = dims.get(0, [])
+    others = rows[1:] + [m for dim, cuts in dims.items() if dim != 0 for m in cuts]
+    if not rows or not others:
         return tensor
-    placements = [Replicate() if m in cuts[1:] else p for m, p in enumerate(tensor.placements)]
+    placements = [Replicate() if m in others else p for m, p in enumerate(tensor.placements)]
     return on_group_device(lambda t: t.redistribute(t.device_mesh, placements), tensor.detach())
