@@ -44,6 +44,16 @@ def test_an_overflow_on_one_rank_alone_skips_every_module_on_every_rank(results)
         assert "modules.llm.fsdp_plugin.cpu_offload" in facts["offload_refused"], facts["offload_refused"]
 
 
+def test_fp16_gathers_in_fp16_and_keeps_fp32_shards_and_gradients(results):
+    """Under fp16 compute the FSDP LLM's parameters are all-gathered in fp16 (half the bytes of fp32), its gradients
+    reduce-scattered in fp32 into fp32 shards: the scaler unscales fp32 gradients."""
+    for facts in results["fp16"]:
+        assert ["all_gather", "torch.float16"] in facts["collectives"], facts["collectives"]
+        assert ["all_gather", "torch.float32"] not in facts["collectives"], facts["collectives"]
+        assert ["reduce_scatter", "torch.float32"] in facts["collectives"], facts["collectives"]
+        assert facts["shard"] == "torch.float32" and {s["grad"] for s in facts["steps"]} == {"torch.float32"}
+
+
 def test_offloaded_module_clips_with_the_resident_ones_and_trains_the_same(results):
     """cpu_offload (CPU: unpinned host memory), global clipping across an offloaded and a resident module, built
     and with empty_init: the resident run's losses, norms and weights. (Where shards and buffers live is checked

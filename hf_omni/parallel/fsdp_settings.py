@@ -28,8 +28,9 @@ def check_mixed_precision(module: str | None, value: Any) -> None:
         raise OmniArgumentError(module, "fsdp_plugin.mixed_precision",
                                 f"must be one of {MIXED_PRECISION_NAMES} or a dict, got {value!r}")
     if value == "fp16" or (isinstance(value, dict) and value.get("param_dtype") == "float16"):
-        raise OmniArgumentError(module, "fsdp_plugin.mixed_precision", "fp16 parameters need loss scaling, which "
-                                "per-module FSDP does not do: use bf16")
+        raise OmniArgumentError(module, "fsdp_plugin.mixed_precision", "fp16 needs the run's loss scaler: set "
+                                "`fp16: true` for the run and leave this unset (the module then gathers in fp16), "
+                                "or use bf16")
     if isinstance(value, dict):
         for name, dtype in value.items():
             if name not in MIXED_PRECISION_KEYS or dtype not in MIXED_PRECISION_DTYPES:
@@ -58,7 +59,7 @@ class FsdpSettings:
         True, (bool,), "false: stay gathered across a gradient-accumulation window", top_level=None)
     mixed_precision: str | dict | None = key(
         None, (str, dict), "`no`, `bf16`, or {param_dtype, reduce_dtype, output_dtype} as dtype names; unset: "
-        "the run's bf16; gradients are reduced in fp32 unless `reduce_dtype` says otherwise",
+        "the run's bf16 or fp16; gradients are reduced in fp32 unless `reduce_dtype` says otherwise",
         nullable=True, check=check_mixed_precision, top_level=None)
     cpu_offload: bool = key(False, (bool,), "keep sharded parameters on CPU", top_level=None)
     cpu_ram_efficient_loading: bool = key(False, (bool,), "refused: build with `empty_init=True` (each rank reads "
@@ -114,9 +115,11 @@ def isolated_fsdp_environment():
 
 def mixed_precision_policy(value, compute: torch.dtype | None = None):
     """The module's FSDP2 `MixedPrecisionPolicy`: its `fsdp_plugin.mixed_precision` (`no`, `bf16`, or
-    {param_dtype, reduce_dtype, output_dtype} as dtype names); unset: parameters gathered in the run's bf16 compute
-    dtype (`compute`). Gradients are reduced in fp32 unless `reduce_dtype` says otherwise (a bf16 sum over hundreds of
-    ranks loses the small contributions). None: no policy (parameters as held, fp32 reductions of fp32 gradients)."""
+    {param_dtype, reduce_dtype, output_dtype} as dtype names); unset: parameters gathered in the run's bf16 or fp16
+    compute dtype (`compute`). Gradients are reduced in fp32 unless `reduce_dtype` says otherwise (a bf16 sum over
+    hundreds of ranks loses the small contributions); FSDP2 casts the reduced gradient back to the shard's dtype, so
+    under fp16 the shards and their gradients stay fp32 and the run's GradScaler unscales fp32 gradients. None: no
+    policy (parameters as held, fp32 reductions of fp32 gradients)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if value == "no":
@@ -125,7 +128,8 @@ def mixed_precision_policy(value, compute: torch.dtype | None = None):
         dtypes = {k: getattr(torch, v) for k, v in value.items()}
         dtypes.setdefault("reduce_dtype", torch.float32)
         return MixedPrecisionPolicy(**dtypes)
-    param = torch.bfloat16 if value == "bf16" or (value is None and compute == torch.bfloat16) else None
+    half = compute if value is None and compute in (torch.bfloat16, torch.float16) else None
+    param = torch.bfloat16 if value == "bf16" else half  # fp16: the shards and gradients stay fp32 (the scaler's)
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
 
 

@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from collective_dtypes import CollectiveDtypes
 from helpers import full_state, make_args, save_every_rank, tiny_data, tiny_model
 from transformers import TrainerCallback
 
@@ -19,34 +20,6 @@ from launching import end_distributed
 
 LR = 1e-6
 POLICIES = {"unset": None, "bf16": "bf16", "dict": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
-
-
-class CollectiveDtypes:
-    """Records the dtype of every all-gather / reduce-scatter issued through `torch.distributed` while active."""
-
-    def __init__(self):
-        self.seen, self.saved = set(), {}
-
-    def __enter__(self):
-        for name in [n for n in dir(dist) if n.startswith(("all_gather", "reduce_scatter"))]:
-            original = getattr(dist, name)
-            if not callable(original) or name.endswith("object"):
-                continue
-            self.saved[name] = original
-
-            def wrapped(*args, _kind=name[:10] if name.startswith("all") else name[:14], _original=original,
-                        **kwargs):
-                tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]  # (output, input): input's
-                if tensors:
-                    self.seen.add((_kind, str(tensors[-1].dtype)))
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
 
 
 class StateAtSave(TrainerCallback):

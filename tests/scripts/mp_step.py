@@ -10,7 +10,8 @@
 - `grouped`: `group_by_modality: true` under a forward that skips the vision tower when its batch has no image (as
   a released model's own forward does; no entry point called), vision sharded: every step's batches have images
   on every rank or on none, and the run ends.
-- `fp16`: a loop over OmniPlugin with torch's CPU GradScaler; at step 2 an inf is put into one gradient of the
+- `fp16`: a loop over OmniPlugin under fp16 compute with torch's CPU GradScaler (the FSDP LLM gathered in fp16, its
+  gradients reduced in fp32 into fp32 shards); at step 2 an inf is put into one gradient of the
   replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
   rank must skip, the scale back off alike, no scheduler step. The same counter must see fp16's one host read per
   step (hf_omni.optim.optimizers): the positive control of the counter.
@@ -23,6 +24,7 @@ import sys
 
 import helpers
 import mixed_modality
+from collective_dtypes import CollectiveDtypes
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
@@ -159,19 +161,20 @@ def fp16(out_dir: str) -> dict:
     model = helpers.tiny_model()
     plugin = OmniPlugin(modules={"vision": {"trainable": False}, "projector": {"parallel": "ddp"},
                                  "llm": {"parallel": "fsdp"}}, defaults={"learning_rate": 1e-3})
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")  # fp16 compute: the LLM gathered in fp16
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     model, optimizer, scheduler = plugin.prepare(accelerator, model, num_training_steps=4)
     data = helpers.tiny_data(model, 16)
     rank = dist.get_rank()
     facts = []
-    with HostReads() as reads:
+    with HostReads() as reads, CollectiveDtypes() as collectives:
         for step in range(3):
             batch = {k: torch.stack([data[4 * step + 2 * rank + i][k] for i in range(2)]) for k in data[0]}
             before = {n: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
                       for n, p in model.named_parameters() if p.requires_grad}
             epochs = {n: s.last_epoch for n, s in scheduler.schedulers.items()}
             accelerator.scaler.scale(model(**batch).loss).backward()
+            grad = str(model.llm.model.layers[0].self_attn.q_proj.weight.grad.dtype)  # its shard's gradient
             if step == 1 and rank == 1:
                 model.projector.layers[0].weight.grad.view(-1)[0] = float("inf")
             plugin.clip_grad_norm_()
@@ -180,7 +183,7 @@ def fp16(out_dir: str) -> dict:
             optimizer.zero_grad()
             changed = sorted(n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(
                 p.detach().to_local() if hasattr(p, "to_local") else p.detach(), before[n]))
-            facts.append({"changed": changed, "scale": accelerator.scaler.get_scale(),
+            facts.append({"changed": changed, "scale": accelerator.scaler.get_scale(), "grad": grad,
                           "stepped": sorted(optimizer.stepped),
                           "schedulers_stepped": sorted(n for n, s in scheduler.schedulers.items()
                                                        if s.last_epoch != epochs[n])})
@@ -193,7 +196,8 @@ def fp16(out_dir: str) -> dict:
         offloaded.prepare(fresh, helpers.tiny_model(), num_training_steps=4)
     except ValueError as err:
         refused = str(err)
-    return {"steps": facts, "host_reads": reads.found, "offload_refused": refused}
+    return {"steps": facts, "host_reads": reads.found, "offload_refused": refused,
+            "collectives": sorted(collectives.seen), "shard": str(model.llm.model.layers[0].self_attn.q_proj.weight.dtype)}
 
 
 def main(out_dir: str):
