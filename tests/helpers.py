@@ -171,3 +171,20 @@ def save_every_rank(results, path: str, save=None) -> None:
     if dist.get_rank() == 0:
         (save or torch.save)(everyone, path)
     dist.barrier()
+
+
+def count_metadata_reads(monkeypatch, root) -> dict:
+    """Every reading of a `state/`'s DCP metadata (all its shard headers, torch's `HuggingFaceStorageReader.
+    read_metadata`, which hf_omni's `ShardReader` calls on rank 0 before broadcasting) from now on, by folder
+    relative to `root`: the returned dict fills as they happen."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reads, read = {}, HuggingFaceStorageReader.read_metadata
+
+    def counted(self):
+        folder = os.path.relpath(str(self.path), str(root))
+        reads[folder] = reads.get(folder, 0) + 1
+        return read(self)
+
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_metadata", counted)
+    return reads

@@ -152,6 +152,20 @@ def test_checkpoint_without_ema_and_ema_without_run(single, tmp_path):
     assert all(slot.ema is None for slot in without.slots.values())
 
 
+def test_a_resume_reads_each_module_state_metadata_once(single, tmp_path, monkeypatch):
+    """DCP's metadata of each module's `state/` (all its shard headers) is read once a resume, for the optimizer
+    state and the EMA shadows alike (before: once each); a weights-only load (the best model's EMA) reads it once."""
+    from helpers import count_metadata_reads
+
+    out, _ = single
+    for weights_only in (False, True):
+        again, plugin, _ = prepared(str(tmp_path / f"again-{weights_only}"), MODULES)
+        reads = count_metadata_reads(monkeypatch, os.path.join(out, "checkpoint-2"))
+        plugin.load_state(os.path.join(out, "checkpoint-2"), weights_only=weights_only)
+        assert reads == {"toy/state": 1, "llm/state": 1}, weights_only
+        assert _ema_equal(ema_state(again), single[1]["ema_at_save"])
+
+
 def test_two_ranks_fsdp_equal_one_process_and_resume_at_one(single, tmp_path):
     _, r1 = single
     launch("mp_ema.py", str(tmp_path))

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from helpers import make_args, reference_train, tiny_data, tiny_model
+from helpers import count_metadata_reads, make_args, reference_train, tiny_data, tiny_model
 from real_model_runs import MATRIX, mismatches, straight_and_resumed
 
 from hf_omni import OmniTrainer, OmniTrainingArguments
@@ -167,6 +167,21 @@ def test_a_checkpoint_without_masters_resumes_them_from_its_files(bf16_folder, t
     assert q_proj(model).dtype == torch.float32 and torch.equal(q_proj(model), saved.float())
 
 
+def test_a_resume_reads_each_module_state_metadata_once(bf16_folder, tmp_path, monkeypatch):
+    """A resume reads DCP's metadata of each trainable module's `state/` (all its shard headers; under a process
+    group, rank 0 reads and broadcasts it) once, for every reader of it: the fp32 masters it holds, the optimizer
+    state. (Before: once for the masters, again for the optimizer state.)"""
+    first, _ = train_bf16(bf16_folder, tmp_path / "first", max_steps=2, save_strategy="steps", save_steps=2)
+    assert first.model.slots["llm"].precision.masters
+    reads = count_metadata_reads(monkeypatch, tmp_path / "first" / "checkpoint-2")
+    model = Captioner.from_pretrained(bf16_folder)
+    args = make_args(tmp_path / "resumed", bf16=True, learning_rate=LR, max_steps=3, per_device_train_batch_size=BATCH,
+                     modules={"vision": {"trainable": False}})
+    OmniTrainer(model=model, args=args, train_dataset=tiny_data(model)).train(
+        resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
+    assert reads == {"llm/state": 1, "projector/state": 1}
+
+
 def test_fp16_module_unscales_with_fp32_masters(tmp_path):
     """A module built in fp16 under fp16 compute: fp32 masters, so torch's GradScaler unscales its gradients
     (fp16 gradients fail: "Attempting to unscale FP16 gradients"). CPU: Accelerate's fp16 compute is a GPU path,
@@ -228,6 +243,9 @@ def test_sharded_masters_resume_bitwise_at_two_ranks_and_at_one(two_ranks, tmp_p
     holds exactly the step-2 masters (DCP reshards them); its HF folder is bf16."""
     out, ranks = two_ranks
     assert all(rank["resume_mismatch"] == [] for rank in ranks)
+    metadata = [rank["metadata"] for rank in ranks]  # each state/: rank 0 reads its headers once, broadcasts once
+    assert metadata[0]["reads"] == {"llm/state": 1, "projector/state": 1} and metadata[1]["reads"] == {}
+    assert all(m["broadcasts"] == {"llm/state": 1, "projector/state": 1} for m in metadata)
     checkpoint = out / "straight" / "checkpoint-2"
     assert set(safetensors_dtypes(checkpoint / "llm" / "model.safetensors").values()) == {"BF16"}
     from accelerate import Accelerator

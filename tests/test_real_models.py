@@ -111,7 +111,8 @@ def test_a_tensor_the_checkpoint_cannot_restore_is_refused_before_loading(root, 
         case_trainer(root, "mixtral_fp32", os.path.join(root, "mixtral_fp32", "straight")).train()
     keys = module_state.state_keys
     monkeypatch.setattr(module_state, "state_keys",
-                        lambda folder: [k for k in keys(folder) if not k.startswith("tensors.")])
+                        lambda folder, metadata=None: [k for k in keys(folder, metadata)
+                                                       if not k.startswith("tensors.")])
     trainer = case_trainer(root, "mixtral_fp32", os.path.join(root, "refused"), seed=3)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(ValueError, match=r"module 'llm': .*state lacks 2 tensors \['model\.layers\.0\.mlp\.experts"):

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..config import module_folder
-from .module_state import STATE, load_module_tensors, read_ema_json, state_keys
+from .module_state import STATE, load_module_tensors, read_ema_json, state_keys, state_metadata
 
 
 def exports_ema(checkpoint: str, config) -> list[str]:
@@ -27,13 +27,14 @@ def fill_ema_weights(model, checkpoint: str, config) -> None:
     for name in exports_ema(checkpoint, config):
         folder = module_folder(checkpoint, config, name)
         params = dict(model.slots[name].module.named_parameters())
-        names = [k[len("ema."):] for k in state_keys(folder) if k.startswith("ema.")]
+        metadata = state_metadata(folder)  # (read once, for both reads below)
+        names = [k[len("ema."):] for k in state_keys(folder, metadata) if k.startswith("ema.")]
         missing = [n for n in names if n not in params]
         if missing:
             raise ValueError(f"module {name!r}: {os.path.join(folder, STATE)} holds EMA weights of {missing[:5]}, "
                              "which the module loaded from the checkpoint does not have")
         shadows = {n: torch.empty_like(params[n], dtype=torch.float32) for n in names}
-        load_module_tensors(folder, {}, extra={"ema": shadows})
+        load_module_tensors(folder, {}, extra={"ema": shadows}, metadata=metadata)
         with torch.no_grad():
             for n, shadow in shadows.items():
                 params[n].copy_(shadow)

@@ -56,10 +56,9 @@ def _writer(state_dir: str):
     return ShardWriter(state_dir, threads=WRITER_THREADS)
 
 
-def _reader(state_dir: str, group=None, alone: bool = False):
-    """DCP's reader of `state/`, its shard headers read by one rank of the load (`shard_reader`)."""
-
-    return ShardReader(state_dir, group, alone)
+def _reader(state_dir: str, group=None, alone: bool = False, metadata=None):
+    """DCP's reader of `state/` (`shard_reader`); `metadata`: what `state_metadata` returned for it, reused."""
+    return ShardReader(state_dir, group, alone, metadata)
 
 
 def save_json(value, folder: str, name: str) -> None:
@@ -94,19 +93,23 @@ def save_scheduler(state: dict, folder: str) -> None:
     save_json(json_value(state, f"{folder}: scheduler"), folder, SCHEDULER)
 
 
-def state_keys(folder: str) -> list[str]:
-    """The sorted tensor keys a module's `state/` holds, read from the safetensors headers (DCP's flattened names:
-    `optimizer.state.<param>.<name>`, `tensors.<name>`)."""
-
-    return sorted(_reader(os.path.join(folder, STATE), checkpoint_group()).read_metadata().state_dict_metadata)
+def state_metadata(folder: str):
+    """DCP's metadata of `state/` (its headers: rank 0 reads, all receive); a resume reads it once a module."""
+    return _reader(os.path.join(folder, STATE), checkpoint_group()).read_metadata()
 
 
-def load_module_tensors(folder: str, tensors: dict, extra: dict | None = None) -> None:
+def state_keys(folder: str, metadata=None) -> list[str]:
+    """The sorted keys of a module's `state/` (DCP's: `optimizer.state.<param>.<name>`, `tensors.<name>`, ...)."""
+    return sorted((metadata if metadata is not None else state_metadata(folder)).state_dict_metadata)
+
+
+def load_module_tensors(folder: str, tensors: dict, extra: dict | None = None, metadata=None) -> None:
     """Only the module `tensors` of a `state/` (no optimizer), and `extra` (`{"ema": ...}`): DCP reads just the keys
     asked for."""
     state = {**({"tensors": tensors} if tensors else {}), **(extra or {})}
     if state:
-        load_once(state, functools.partial(_reader, os.path.join(folder, STATE)), f"reading {folder}")
+        load_once(state, functools.partial(_reader, os.path.join(folder, STATE), metadata=metadata),
+                  f"reading {folder}")
 
 
 def read_state_json(folder: str) -> tuple[dict, dict]:
@@ -139,7 +142,7 @@ def read_ema_json(folder: str) -> dict | None:
     return value
 
 
-def restore_ema(name: str, ema, folder: str, saved: dict | None) -> None:
+def restore_ema(name: str, ema, folder: str, saved: dict | None, metadata=None) -> None:
     """A module's EMA from its `state/` (shadows filled in place, resharded by DCP at another world size). A
     checkpoint without EMA: the shadows start from the weights just loaded, counter 0 (a fresh `EMAModel`); a
     checkpoint's EMA that this run does not keep is left unread."""
@@ -152,11 +155,12 @@ def restore_ema(name: str, ema, folder: str, saved: dict | None) -> None:
         ema.reset()
         return
     state_dir = os.path.join(folder, STATE)
-    load_once({"ema": dict(ema.shadows)}, functools.partial(_reader, state_dir), f"reading {state_dir} (EMA)")
+    load_once({"ema": dict(ema.shadows)}, functools.partial(_reader, state_dir, metadata=metadata),
+              f"reading {state_dir} (EMA)")
     ema.load_json(saved)
 
 
-def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict) -> dict:
+def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict, metadata=None) -> dict:
     """One module's optimizer state from its `state/`: `template` is the live optimizer's (`ModuleOptimizers.
     state_dict()[module]`, its tensors shaped as this rank holds them), filled in place from the shards (resharded
     by DCP at another world size) and `saved` (`optimizer.json`); parameters with no saved state (never stepped)
@@ -171,7 +175,7 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
     optim_tensors = {fqn: {k: v for k, v in values.items() if isinstance(v, torch.Tensor) and k not in
                            saved["state"][fqn]} for fqn, values in template["state"].items()}  # (older saves: step)
     loaded = {"optimizer": {"state": optim_tensors}, "tensors": tensors}
-    load_once(loaded, functools.partial(_reader, state_dir), f"reading {state_dir}")
+    load_once(loaded, functools.partial(_reader, state_dir, metadata=metadata), f"reading {state_dir}")
     for fqn, values in template["state"].items():
         values.update(loaded["optimizer"]["state"][fqn])
         values.update({k: like(v, values.get(k)) for k, v in saved["state"][fqn].items()})
@@ -208,7 +212,6 @@ class ModuleState:
 
     def base_plan(self):
         """The plan of its base's files alone (no adapter), as a plain model of its class holds them."""
-
         return plan_folder(self.slot.module, self.slot.export_dtypes, merged=True)
 
     @property

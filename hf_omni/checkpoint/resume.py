@@ -78,51 +78,65 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
             emas[name] = module_state.read_ema_json(folders[name])
     todo = {name: folder for name, folder in folders.items()
             if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
-    masters = {}  # module -> the master weights its state/ holds (read there, not from the rounded HF files)
-    for name in trainable:
+    masters, metas = {}, {}  # module -> the master weights its state/ holds (read there, not from the rounded HF
+    for name in trainable:  # files); its state/'s DCP metadata, read once here for every later reader of it
         with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
-            masters[name] = held_masters(checkpointer.states[name], folders[name])
+            metas[name] = state_metadata(checkpointer, name, folders[name], weights_only, emas[name])
+            masters[name] = held_masters(checkpointer.states[name], folders[name], metas[name])
     for dry_run in (True, False):  # shapes / dtypes of every module first: nothing half-loaded
         for name, folder in todo.items():
             with agreed(f"module {name!r}: reading {folder}", group):
-                read_weights(checkpointer, name, folder, dry_run, masters)
+                read_weights(checkpointer, name, folder, dry_run, masters, metas.get(name))
     for name, slot in model.slots.items():
         slot.entry.source = slot.entry.source or config.module_entry(name).source
     states = checkpointer.states
     if weights_only:  # the unmapped tensors of a save_only_model checkpoint came through transformers above
         for name in trainable:
             if os.path.isdir(os.path.join(folders[name], module_state.STATE)):
-                module_state.load_module_tensors(folders[name], states[name].unmapped_tensors(masters[name]))
-            module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name])  # (the best model's)
+                module_state.load_module_tensors(folders[name], states[name].unmapped_tensors(masters[name]),
+                                                 metadata=metas[name])
+            module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name], metas[name])  # (best's)
         return
     live = optimizer.templates()  # this rank's shapes of every module's optimizer state
     optimizer.load_state_dict({name: module_state.read_optimizer_state(
-        folders[name], live[name], saved[name][0], states[name].unmapped_tensors(masters[name]))
+        folders[name], live[name], saved[name][0], states[name].unmapped_tensors(masters[name]), metas[name])
         for name in trainable})
     scheduler.load_state_dict({name: saved[name][1] for name in trainable})
     for name in trainable:  # `ema`: shadows and counter (or, from a checkpoint without, the loaded weights)
-        module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name])
+        module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name], metas[name])
     files.load_scaler(optimizer.scaler, directory)
 
 
-def held_masters(state, folder: str) -> frozenset[str]:
-    """The module's master weights that `folder/state/` holds. A checkpoint of a run that kept them as loaded
-    (another `master_dtype`) holds none: they start from its HF files, cast up."""
+def state_metadata(checkpointer, name: str, folder: str, weights_only: bool, ema_saved: dict | None):
+    """DCP's metadata of the module's `folder/state/`, read once a resume (rank 0 reads the headers, every rank
+    receives them: `module_state.state_metadata`) and passed to each later reader of it; None without a `state/`,
+    or for a weights-only load that reads no tensor there (no masters, unmapped tensors or EMA to restore)."""
+    state, ema = checkpointer.states[name], checkpointer.model.slots[name].ema
+    if not os.path.isdir(os.path.join(folder, module_state.STATE)) or weights_only and not (
+            state.masters or state.unmapped or (ema is not None and ema_saved is not None)):
+        return None
+    return module_state.state_metadata(folder)
+
+
+def held_masters(state, folder: str, metadata=None) -> frozenset[str]:
+    """The module's master weights that `folder/state/` holds (`metadata`: its DCP metadata, else read here). A
+    checkpoint of a run that kept them as loaded (another `master_dtype`) holds none: they start from its HF files,
+    cast up."""
     if not state.masters or not os.path.isdir(os.path.join(folder, module_state.STATE)):
         return frozenset()
-    kept = set(module_state.state_keys(folder))
+    kept = set(module_state.state_keys(folder, metadata))
     return frozenset(n for n in state.masters if f"tensors.{n}" in kept)
 
 
-def read_weights(checkpointer, name: str, folder: str, dry_run: bool, masters: dict) -> None:
+def read_weights(checkpointer, name: str, folder: str, dry_run: bool, masters: dict, metadata=None) -> None:
     """A trainable module from its checkpoint folder (what the HF files cannot serve comes from `state/`: the
-    unmapped tensors, and the master weights it holds, `masters[name]`); a frozen one
+    unmapped tensors, and the master weights it holds, `masters[name]`; `metadata`: its `state/`'s); a frozen one
     from its source (through transformers' loading for what the files do not hold as is). A tensor that cannot be
     restored is an error naming the module and tensor."""
     state = checkpointer.states[name]
     module, unmapped = checkpointer.model.slots[name].module, state.unmapped
     if name in checkpointer.trainable and os.path.isdir(os.path.join(folder, module_state.STATE)):  # (else: as a
-        kept = set(module_state.state_keys(folder)) if dry_run and unmapped else set()
+        kept = set(module_state.state_keys(folder, metadata)) if dry_run and unmapped else set()
         lost = [n for n in sorted(unmapped) if dry_run and f"tensors.{n}" not in kept]
         if lost:
             raise ValueError(f"module {name!r}: {folder}/{module_state.STATE} lacks {len(lost)} tensors {lost[:5]}")

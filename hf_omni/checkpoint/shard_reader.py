@@ -5,7 +5,8 @@ Why: DCP asks every rank of a load for the metadata, and torch's reader builds i
 million on the shared file system per module and resume. Here rank 0 of the load's process group reads the headers
 once and broadcasts the metadata (one object collective; the bytes each rank receives are about those of the
 headers it no longer reads), so a rank then opens only the files its own reads touch. An error reading them is
-sent instead and raised on every rank.
+sent instead and raised on every rank. `metadata`: what an earlier reader of the same `state/` returned in this
+resume (`resume.load` reads each module's once and hands it to every later reader): no header read, no broadcast.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 
 class ShardReader(HuggingFaceStorageReader):
-    """`group`: the process group of the DCP load (None: the default group); `alone`: a load by one process."""
+    """`group`: the process group of the DCP load (None: the default group); `alone`: a load by one process;
+    `metadata`: this `state/`'s metadata, already read (torch's reader keeps no other state from reading it)."""
 
-    def __init__(self, path: str, group=None, alone: bool = False):
+    def __init__(self, path: str, group=None, alone: bool = False, metadata=None):
         super().__init__(path)
-        self.group, self.alone = group, alone
+        self.group, self.alone, self.metadata = group, alone, metadata
 
     def read_metadata(self):
         import torch.distributed as dist
 
+        if self.metadata is not None:
+            return self.metadata
         if self.alone or not dist.is_available() or not dist.is_initialized():
             return super().read_metadata()
         sent, source = [None], dist.get_global_rank(self.group, 0) if self.group is not None else 0

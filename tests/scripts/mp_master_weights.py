@@ -3,7 +3,8 @@ with its LLM saved in bf16, built with `empty_init`, the LLM sharded with FSDP2 
 rank: the dtypes FSDP2's collectives carried (parameters gathered in bf16, gradients reduced in fp32), the policy
 applied for each way of writing `fsdp_plugin.mixed_precision`, the dtypes of the local shards and AdamW moments,
 the full state at the step-2 checkpoint, and whether a resume from it in a model with other weights ends bitwise
-equal to the straight run. Usage: mp_master_weights.py OUT_DIR"""
+equal to the straight run (and how often that resume read and broadcast each module's `state/` DCP metadata).
+Usage: mp_master_weights.py OUT_DIR"""
 
 import os
 import sys
@@ -56,6 +57,41 @@ def run(folder: str, out: str, mixed_precision=None, seed: int = 0, resume: str 
     return trainer, saves, sorted(collectives.seen)
 
 
+class StateMetadataReads:
+    """While active, this rank's readings of a `state/`'s DCP metadata (torch's `HuggingFaceStorageReader.
+    read_metadata`: every shard header) and its metadata broadcasts (`ShardReader`'s `broadcast_object_list`), by
+    folder relative to `root`."""
+
+    def __init__(self, root: str):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        self.root, self.reader, self.reads, self.broadcasts = root, HuggingFaceStorageReader, {}, {}
+        self.saved = HuggingFaceStorageReader.read_metadata, dist.broadcast_object_list
+
+    def _count(self, counts: dict, path) -> None:
+        folder = os.path.relpath(str(path), self.root)
+        counts[folder] = counts.get(folder, 0) + 1
+
+    def __enter__(self):
+        read, broadcast = self.saved
+
+        def counted_read(reader):
+            self._count(self.reads, reader.path)
+            return read(reader)
+
+        def counted_broadcast(*args, **kwargs):
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.endswith("shard_reader.py"):
+                self._count(self.broadcasts, caller.f_locals["self"].path)
+            return broadcast(*args, **kwargs)
+
+        self.reader.read_metadata, dist.broadcast_object_list = counted_read, counted_broadcast
+        return self
+
+    def __exit__(self, *exc):
+        self.reader.read_metadata, dist.broadcast_object_list = self.saved
+
+
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     folder = saved_folder(out_dir)
@@ -74,8 +110,10 @@ def main(out_dir: str):
                          "exp_avg": str(adam["exp_avg"].to_local().dtype)}
     results["at_save"] = saves.states[2]
     final = full_state(straight.model)
-    resumed, _, _ = run(folder, os.path.join(out_dir, "resumed"), resume=os.path.join(out_dir, "straight",
-                                                                                    "checkpoint-2"))
+    with StateMetadataReads(os.path.join(out_dir, "straight", "checkpoint-2")) as metadata:
+        resumed, _, _ = run(folder, os.path.join(out_dir, "resumed"), resume=os.path.join(out_dir, "straight",
+                                                                                        "checkpoint-2"))
+    results["metadata"] = {"reads": metadata.reads, "broadcasts": metadata.broadcasts}
     again = full_state(resumed.model)
     results["resume_mismatch"] = [k for k in final if not torch.equal(final[k], again[k])]
     results["final"] = final
