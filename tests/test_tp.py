@@ -185,11 +185,17 @@ def test_refused_expert_parallel_arguments(tmp_path, modules, match):
 
 
 def test_tensor_layout_refuses_styles_it_does_not_serve():
-    """Qwen2-MoE's tensor-parallel plan packs gate and up and splits its experts (`packed_colwise`, `moe_tp_experts`):
-    refused by module and key, pointing to ep_size."""
-    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*as `(packed_colwise|moe_tp_experts)`.*"
+    """A MoE model under tp_size (its experts: ep_size), and a plan style hf_omni does not serve (Qwen3's norms
+    `replicated_with_grad_allreduce`): refused by module and key."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*Qwen2MoeForCausalLM is a MoE model.*"
                                                 r"use ep_size"):
         layouts_for("llm", TP2)[0].check(tp_scenarios.tp_model(moe=True).llm)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*as `replicated_with_grad_allreduce`"):
+        layouts_for("llm", TP2)[0].check(qwen3)
 
 
 def test_expert_layout_refuses_what_it_cannot_spread():

@@ -53,7 +53,13 @@ class TensorLayout(Layout):
         return self.split(module)[1]
 
     def check(self, module: nn.Module) -> None:
-        plan = self.plan(module)
+        model, plan = self.split(module)
+        config = getattr(model, "config", None)
+        if any(getattr(c, "base_model_ep_plan", None) for c in (config, getattr(config, "get_text_config",
+                                                                                   lambda: None)())):
+            raise OmniArgumentError(self.module_name, KEY, f"{type(model).__name__} is a MoE model (its config has an "
+                                    "expert-parallel plan): tensor parallelism does not split its experts here; use "
+                                    "ep_size")
         other = next(((name, style) for name, style in plan.items() if style not in STYLES), None)
         if other is not None:  # packed (fused gate_up), experts, replicated-with-all-reduce: untested here
             raise OmniArgumentError(self.module_name, KEY, f"its plan splits {other[0]} as `{other[1]}`, which "
