@@ -38,6 +38,7 @@ from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .profile import ModuleProfile
+from .timing_marks import logged_steps
 
 
 class OmniPlugin:
@@ -178,7 +179,8 @@ class OmniPlugin:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.args, num_training_steps, self.scaler)
         self.profile.close()  # a second run: fresh hooks, counting the new optimizers' steps
-        self.profile = ModuleProfile(self.model.slots, self.prepared.device)
+        self.profile = ModuleProfile(self.model.slots, self.prepared.device, logged_steps(
+            self.args.logging_strategy, self.args.logging_steps, self.args.logging_first_step))
         self.optimizer.before_step, self.optimizer.after_step = self.checkpointer.fence, [self.profile.stepped]
         attach_emas(self.model, self.optimizer)  # `ema`: shadows now, updated after each step that stepped
 

@@ -1,11 +1,13 @@
-"""Per-module time at logging steps: `time/<module>`, the seconds of forward + backward per optimizer step.
+"""Per-module time at logging steps: `time/<module>`, the seconds of forward + backward of the optimizer steps
+that end in a log.
 
 Why: choosing `ddp` / `fsdp` / HSDP per module, and finding the module that costs the step, needs each module's
-own time; and it must not cost the training step anything it can avoid. So every step only *records* timing marks
-(on CUDA `torch.cuda.Event(enable_timing=True)` on the current stream; on CPU `HostEvent`, a `time.perf_counter()`
-with the same interface, so the CPU tests run the same code), and only `logs()` — called at logging steps — reads
-them: one `synchronize()` of the last mark, then `elapsed_time` of each pair. Nothing here reads a device value on
-any other step (no `.item()`, no `float(tensor)`, no `synchronize`).
+own time; and it must not cost the training step anything it can avoid. So the hooks are on only during the steps
+that end in a log (`timing_marks.logged_steps`: a step that is not logged runs none of them), those steps only
+*record* timing marks (on CUDA `torch.cuda.Event(enable_timing=True)` on the current stream; on CPU `HostEvent`, a
+`time.perf_counter()` with the same interface, so the CPU tests run the same code), and only `logs()` — called at
+logging steps — reads them: one `synchronize()` of the last mark, then `elapsed_time` of each pair. Nothing here
+reads a device value on any other step (no `.item()`, no `float(tensor)`, no `synchronize`).
 
 Where the marks are, per call of a module (`module(...)`; a method that calls a submodule directly, such as
 `llm.get_input_embeddings()(ids)`, is outside it):
@@ -30,47 +32,14 @@ Offline modules (on the meta device) are skipped. `close()` removes every hook.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from .compat import queue_backward_callback
 from .modules.units import run_roots
+from .timing_marks import HostEvent, event_factory, logged_steps  # noqa: F401  (HostEvent: re-exported)
 
 FOLD_AFTER = 256  # calls of a module held before the finished ones are folded into milliseconds
-
-
-class HostEvent:
-    """A CUDA event's interface over `time.perf_counter()` (CPU runs: the host clock is the device clock)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self):
-        self.at: float | None = None
-
-    def record(self, stream=None) -> None:
-        self.at = time.perf_counter()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return self.at is not None
-
-    def elapsed_time(self, end: "HostEvent") -> float:
-        """Milliseconds from this event to `end`, as `torch.cuda.Event.elapsed_time`."""
-        return (end.at - self.at) * 1000.0
-
-
-def event_factory(device: torch.device):
-    """Timing events for `device`: CUDA events, the accelerator's own, or `HostEvent` on CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return lambda: torch.cuda.Event(enable_timing=True)
-    if device.type == "cpu":
-        return HostEvent
-    return lambda: torch.Event(device=device.type, enable_timing=True)
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -106,10 +75,16 @@ class ModuleTimer:
         self.folded = 0.0  # milliseconds of calls folded since the last read
         self.open: list[Call | None] = []  # forwards in progress (None: one not recorded)
         self.in_backward = 0  # this module's backward passes running now (a forward meanwhile is a recompute)
-        self.handles = [handle for unit in run_roots(module) for handle in (  # an adopted model's: what runs
-            unit.register_forward_pre_hook(self.before_forward, prepend=True, with_kwargs=True),
-            unit.register_forward_hook(self.watch_outputs, prepend=True),
-            unit.register_forward_hook(self.after_forward, always_call=True))]
+        self.module, self.handles = module, []
+
+    def hook(self) -> None:
+        """The hooks on (a timed step): the pre-hook first and the outputs' watch before any other forward hook,
+        whatever was registered before (FSDP2, replicate); an adopted model's on what runs (`run_roots`)."""
+        if not self.handles:
+            self.handles = [handle for unit in run_roots(self.module) for handle in (
+                unit.register_forward_pre_hook(self.before_forward, prepend=True, with_kwargs=True),
+                unit.register_forward_hook(self.watch_outputs, prepend=True),
+                unit.register_forward_hook(self.after_forward, always_call=True))]
 
     def before_forward(self, module, args, kwargs) -> None:
         if self.in_backward or not self.profile.training():
@@ -171,15 +146,16 @@ class ModuleTimer:
         self.calls = kept
 
     def close(self) -> None:
+        """The hooks off (a step that is not timed, the end of training)."""
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        self.handles, self.open, self.in_backward = [], [], 0
 
     def __deepcopy__(self, memo) -> "ModuleTimer":
         """A copy of the module (an EMA, a reference model) is not timed: its copied hooks get an inert timer."""
         inert = object.__new__(ModuleTimer)
-        inert.name, inert.profile, inert.calls, inert.open, inert.in_backward, inert.handles = (
-            self.name, NOT_TRAINING, [], [], 0, [])
+        inert.name, inert.profile, inert.calls, inert.open, inert.in_backward, inert.handles, inert.module = (
+            self.name, NOT_TRAINING, [], [], 0, [], None)
         return inert
 
 
@@ -195,18 +171,32 @@ NOT_TRAINING = NotTraining()
 
 
 class ModuleProfile:
-    """Timing hooks on every live module of `slots` (name -> `ModuleSlot`); `logs()` at logging steps.
+    """Timing hooks on every live module of `slots` (name -> `ModuleSlot`) during the optimizer steps `timed`
+    names (1-based; by default every step); `logs()` at logging steps.
 
-    `stepped()` counts optimizer steps (`ModuleOptimizers.after_step`: every step, an fp16 one it skipped too);
-    `logs()` divides each module's time since the last call by them."""
+    The hooks are on only while a timed step runs: a step that is not timed runs no hook of the profile at all.
+    `stepped()` (`ModuleOptimizers.after_step`: every step, an fp16 one it skipped too) counts the steps, and turns
+    the hooks on or off for the next one; `logs()` divides each module's time since the last call by the timed
+    steps among them. A loop whose step count is not the profile's own (a resumed Trainer) says which step comes
+    next with `time_step()`."""
 
-    def __init__(self, slots: dict, device):
+    def __init__(self, slots: dict, device, timed=None):
         self.new_event = event_factory(device)
+        self.timed = timed if timed is not None else (lambda step: True)
         self.last = None  # the last mark recorded: what `logs()` synchronises on
-        self.steps = 0
+        self.step = 0  # optimizer steps done
+        self.steps = 0  # timed steps since the last read
+        self.timing = False  # the step running now is timed
         self.trained = [slot.module for slot in slots.values() if slot.trains and slot.kind != "offline"]
         self.timers = {name: ModuleTimer(name, slot.module, self) for name, slot in slots.items()
                        if slot.kind != "offline" and not any(p.is_meta for p in slot.module.parameters())}
+        self.time_step(1)
+
+    def time_step(self, step: int) -> None:
+        """Step `step` (1-based) runs next: the hooks on if it is timed, off if not."""
+        self.step, self.timing = step - 1, bool(self.timers) and bool(self.timed(step))
+        for timer in self.timers.values():
+            timer.hook() if self.timing else timer.close()
 
     def training(self) -> bool:
         """Some trained module is in training mode (Trainer's `model.eval()` for evaluation turns them all off)."""
@@ -219,15 +209,16 @@ class ModuleProfile:
         return event
 
     def stepped(self, *_) -> None:
-        self.steps += 1
+        self.steps += self.timing
         for timer in self.timers.values():  # every backward of the step is over
             timer.in_backward = 0
             if len(timer.calls) > FOLD_AFTER:
                 timer.fold()
+        self.time_step(self.step + 2)
 
     def logs(self) -> dict[str, float]:
-        """`{"time/<module>": mean seconds of forward + backward per optimizer step}` since the last call, then
-        reset; `{}` before any optimizer step. The one place that reads the marks."""
+        """`{"time/<module>": mean seconds of forward + backward per timed optimizer step}` since the last call,
+        then reset; `{}` before any timed step. The one place that reads the marks."""
         if not self.steps:
             return {}
         if self.last is not None:

@@ -173,7 +173,7 @@ LAYERS = [
     ("__init__",),  # hf_omni's own face: the public names
     ("trainer", "cli"),
     ("plugin",),
-    ("optim", "profile", "module_bytes", "testing"),
+    ("optim", "profile", "timing_marks", "module_bytes", "testing"),
     ("adopt",),
     ("modeling", "arguments", "projector"),
     ("parallel", "hub", "model_hooks", "tuning", "diffusion"),

@@ -9,10 +9,11 @@ import torch
 from accelerate import Accelerator
 from helpers import batches, make_args, tiny_data, tiny_model
 from torch.utils.checkpoint import checkpoint
+from transformers import TrainerCallback
 
 from hf_omni import OmniPlugin, OmniTrainer
 from hf_omni.module_bytes import predicted_optimizer_bytes
-from hf_omni.profile import HostEvent, ModuleProfile
+from hf_omni.profile import HostEvent, ModuleProfile, ModuleTimer
 from hf_omni.testing.digits import Captioner
 from hf_omni.testing.host_reads import HostReads
 
@@ -100,7 +101,7 @@ def test_time_per_module_at_logging_steps_matches_an_independent_timer(tmp_path,
         assert any(k.startswith("time/") for k in entry) == ("loss" in entry), entry
     assert len(projector.forward) == len(projector.backward) == len(vision.forward) == 4
     assert len(vision.backward) == (4 if vision_trains else 0)
-    for entry, steps in zip(entries, (range(0, 2), range(2, 4))):
+    for entry, steps in zip(entries, (range(1, 2), range(3, 4))):  # the logged steps alone are timed
         assert entry["time/llm"] > 0
         assert_close_above(entry["time/projector"], projector.per_step(steps), "projector")
         assert_close_above(entry["time/vision"], vision.per_step(steps), "vision")
@@ -127,7 +128,7 @@ def test_recompute_counts_once_in_backward(tmp_path):
     trainer.train()
     assert len(projector.forward) == 4  # each step: the forward and its recompute
     (entry,) = logged(trainer)
-    assert_close_above(entry["time/projector"], projector.per_step(range(0, 2), calls_per_step=2), "projector")
+    assert_close_above(entry["time/projector"], projector.per_step(range(1, 2), calls_per_step=2), "projector")
 
 
 def test_marks_are_read_only_by_logs_at_logging_steps(tmp_path, monkeypatch):
@@ -163,6 +164,55 @@ def test_marks_are_read_only_by_logs_at_logging_steps(tmp_path, monkeypatch):
     assert "synchronize" in inside and "elapsed_time" in inside
     assert reads.found == []
     assert reads.others > 0  # armed: Trainer's own reads were seen
+
+
+class HooksPerStep(TrainerCallback):
+    """How many times the profile's forward pre-hook ran in each optimizer step (Trainer's step numbers)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.per_step = [0], {}
+        original = ModuleTimer.before_forward
+
+        def counted(timer, *args):
+            self.calls[0] += 1
+            return original(timer, *args)
+
+        monkeypatch.setattr(ModuleTimer, "before_forward", counted)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step[state.global_step], self.calls[0] = self.calls[0], 0
+
+
+def test_only_the_steps_that_end_in_a_log_run_the_hooks(tmp_path, monkeypatch):
+    """Steps 1 (`logging_first_step`), 3 and 6 log: they alone run the profile's hooks (one forward of each of the
+    three modules), every other step runs none; resumed at step 2, Trainer's own count decides (steps 3 and 6
+    again, not the third and sixth of the resumed run); an own loop's plugin times its `logging_steps`."""
+    count = HooksPerStep(monkeypatch)
+    model = tiny_model()
+    args = make_args(tmp_path, max_steps=6, logging_steps=3, logging_first_step=True, save_strategy="steps",
+                     save_steps=2, modules=FROZEN_VISION)
+    trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48), callbacks=[count])
+    trainer.train()
+    assert count.per_step == {1: 3, 2: 0, 3: 3, 4: 0, 5: 0, 6: 3}
+    assert [e["step"] for e in trainer.state.log_history if "time/projector" in e] == [1, 3, 6]
+    count.per_step = {}
+    resumed = OmniTrainer(model=tiny_model(), args=args, train_dataset=tiny_data(model, 48), callbacks=[count])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert count.per_step == {3: 3, 4: 0, 5: 0, 6: 3}
+    assert [e["step"] for e in resumed.state.log_history if "time/projector" in e and e["step"] > 2] == [3, 6]
+
+    plugin = OmniPlugin(modules=FROZEN_VISION, defaults={"optim": "adamw_torch", "logging_steps": 2},
+                        output_dir=str(tmp_path / "own"))
+    own = tiny_model()
+    _, optimizer, _ = plugin.prepare(Accelerator(cpu=True), own, num_training_steps=4)
+    seen = []
+    for batch in list(batches(tiny_data(own), 8))[:4]:
+        own(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(sorted(plugin.log_metrics()))
+    assert [any(k.startswith("time/") for k in keys) for keys in seen] == [False, True, False, True]
+    plugin.close()
 
 
 def module_numbers(module) -> tuple[int, int]:
@@ -255,7 +305,8 @@ def test_evaluation_forwards_are_not_counted(tmp_path):
     """A forward while no trained module is in training mode (evaluation) is not recorded."""
     model = tiny_model()
     projector = Timed(model.projector, forward_s=0.05)
-    plugin = OmniPlugin(modules=FROZEN_VISION, defaults={"optim": "adamw_torch"}, output_dir=str(tmp_path))
+    plugin = OmniPlugin(modules=FROZEN_VISION, defaults={"optim": "adamw_torch", "logging_steps": 1},
+                        output_dir=str(tmp_path))
     _, optimizer, _ = plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
     batch = next(batches(tiny_data(model), 8))
     model.eval()
@@ -276,7 +327,8 @@ def test_a_copy_of_a_profiled_module_is_not_timed(tmp_path):
     import copy
 
     model = tiny_model()
-    plugin = OmniPlugin(modules=FROZEN_VISION, defaults={"optim": "adamw_torch"}, output_dir=str(tmp_path))
+    plugin = OmniPlugin(modules=FROZEN_VISION, defaults={"optim": "adamw_torch", "logging_steps": 1},
+                        output_dir=str(tmp_path))
     _, optimizer, _ = plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
     copied = {}
     twin = copy.deepcopy(model.projector, copied).train()
@@ -298,7 +350,8 @@ def test_a_run_that_logs_rarely_holds_a_bounded_number_of_marks(tmp_path, monkey
         monkeypatch.setattr(profile, "FOLD_AFTER", fold_after)
         model = tiny_model()
         timed = Timed(model.projector, forward_s=0.01, backward_s=0.0)
-        args = make_args(tmp_path / name, max_steps=6, logging_steps=6, modules=FROZEN_VISION)
+        args = make_args(tmp_path / name, max_steps=-1, num_train_epochs=1, logging_strategy="epoch",  # every step
+                         modules=FROZEN_VISION)  # timed: an epoch's last step is not known in advance
         trainer = OmniTrainer(model=model, args=args, train_dataset=tiny_data(model, 48))
         held = []
         original = profile.ModuleProfile.stepped

@@ -1,6 +1,5 @@
-"""`OmniTrainer`: `transformers.Trainer` over an `OmniPlugin`. Trainer's loop runs unchanged; the hooks it
-overrides are listed, with the parameters relied on, in `hooks.TRAINER_METHODS` (checked against the
-installed Trainer). By concern:
+"""`OmniTrainer`: `transformers.Trainer` over an `OmniPlugin`. Trainer's loop runs unchanged; the hooks it overrides
+are listed, with the parameters relied on, in `hooks.TRAINER_METHODS` (checked against the installed Trainer):
 
 - preparing: `_prepare_for_training` (the plugin wraps each module in place and builds its optimizer and
   scheduler), `create_optimizer` / `create_scheduler` (the plugin's composites), `_move_model_to_device` (meta
@@ -26,7 +25,7 @@ from ..checkpoint.rng import restore_rng_state, save_rng_state
 from ..hub.cards import write_summary
 from ..offline.serve import ENCODE_ONLY, CachedRows
 from ..plugin import OmniPlugin
-from . import label_smoothing
+from . import label_smoothing, profile_steps
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
 from .data import TrainingDataMixin
@@ -49,6 +48,7 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
         self.plugin.resolve(model)  # every argument error before any compute
         check_hub_links(args, model)
         super().__init__(model=model, args=args, **kwargs)
+        self.add_callback(profile_steps.TimedSteps(self.plugin))  # `time/<module>`: logging steps only
         owner = type(model.forward_owner())  # Trainer read the composed class; an adopted model's forward is the
         if args.label_names is None:          # released class's, set on the instance
             self.label_names = find_labels(owner)
