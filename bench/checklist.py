@@ -3,7 +3,8 @@
 A check is a function registered with `@check(budget_s, cpu_note, needs=(...))` that returns `(ok, figure)`: `ok`
 True / False, or None when running it showed that it needs a device. Every rank runs every check; rank 0 prints
 the line once all ranks agree (over a gloo group of the script's own); a check past 4x its budget (20x on CPU) is
-called hung and the process exits 1.
+called hung and the process exits 1. `--bound SECONDS` bounds the whole run: a check whose budget no longer fits
+is NOT RUN (the run exits 1), and the watchdog of a running one fires at the bound.
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def gathered(result: tuple) -> list[tuple]:
     return out
 
 
-def run(name: str, budget: int, fn) -> tuple[str, float | None, str]:
-    """(status, seconds, figure) of one check, agreed by every rank; a watchdog ends a hung check."""
+def run(name: str, budget: int, fn, left: float | None = None) -> tuple[str, float | None, str]:
+    """(status, seconds, figure) of one check, agreed by every rank; a watchdog ends a hung check, and one that
+    runs past the whole run's bound (`left`: seconds the run has left)."""
     def hung():
-        print(f"FAIL {name}: still running after {limit} s on rank {RANK} (a hang?); stopping", flush=True)
+        why = "the run's bound" if limit == left else "a hang?"
+        print(f"FAIL {name}: still running after {limit:.0f} s on rank {RANK} ({why}); stopping", flush=True)
         os._exit(1)
     limit, start = budget * (4 if CUDA else 20), time.perf_counter()
+    limit = limit if left is None else min(limit, left)
     watchdog = threading.Timer(limit, hung)
     watchdog.daemon = True
     watchdog.start()
@@ -92,6 +96,9 @@ def main(doc: str, root: str) -> None:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these checks only")
     parser.add_argument("--list", action="store_true", help="list the checks and what they need; run nothing")
+    parser.add_argument("--bound", type=float, metavar="SECONDS",
+                        help="the whole run's bound: a check is not started when its budget no longer fits, and "
+                             "the process exits 1 when a check runs past it")
     options = parser.parse_args()
     unknown = set(options.only or []) - {c[0] for c in CHECKS}
     if unknown:
@@ -105,19 +112,27 @@ def main(doc: str, root: str) -> None:
         shutil.rmtree(root, ignore_errors=True)
         print(f"{sys.argv[0]}: {torch.cuda.get_device_name() if CUDA else 'CPU, no CUDA'}, {WORLD} rank(s), "
               f"torch {torch.__version__}", flush=True)
-    counts, started = {"PASS": 0, "FAIL": 0, "NEEDS DEVICE": 0}, time.perf_counter()
+    counts, started = {"PASS": 0, "FAIL": 0, "NEEDS DEVICE": 0, "NOT RUN": 0}, time.perf_counter()
     for name, needs, budget, _, fn in CHECKS:
         if options.only and name not in options.only:
             continue
-        why = missing(needs)
-        status, seconds, figure = ("NEEDS DEVICE", None, why) if why else run(name, budget, fn)
+        why, left = missing(needs), None
+        if options.bound is not None:  # every rank decides alike: the least time any rank has left
+            left = min(r for r in gathered(options.bound - (time.perf_counter() - started)))
+            if not why and left < budget:
+                why = f"out of time: {left:.0f} s of the run's {options.bound:.0f} s left, its budget {budget} s"
+        if why and why.startswith("out of time"):
+            status, seconds, figure = "NOT RUN", None, why
+        else:
+            status, seconds, figure = ("NEEDS DEVICE", None, why) if why else run(name, budget, fn, left)
         counts[status] += 1
         if RANK == 0:
-            shown = status + (" (cpu)" if status != "NEEDS DEVICE" and not CUDA else "")
+            shown = status + (" (cpu)" if status in ("PASS", "FAIL") and not CUDA else "")
             took = "      -" if seconds is None else f"{seconds:5.1f} s"
             late = f" (over its {budget} s budget)" if CUDA and seconds and seconds > budget else ""
             print(f"{shown:12s} {name:38s} {took}{late}  {figure}", flush=True)
     if RANK == 0:
-        print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['NEEDS DEVICE']} need a device "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
-    sys.exit(1 if counts["FAIL"] else 0)
+        print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['NEEDS DEVICE']} need a device"
+              + (f", {counts['NOT RUN']} not run (out of time)" if counts["NOT RUN"] else "")
+              + f" ({time.perf_counter() - started:.0f} s)", flush=True)
+    sys.exit(1 if counts["FAIL"] or counts["NOT RUN"] else 0)
