@@ -82,8 +82,10 @@ def encode(script: str, script_args: list[str]) -> None:
     raise RuntimeError(f"{script} ended without calling OmniTrainer.train(): nothing was encoded")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hf-omni", description=__doc__)
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `hf-omni` parser and its commands' parsers (docs/cli.md is generated from their help)."""
+    parser = argparse.ArgumentParser(prog="hf-omni", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     export_parser = commands.add_parser("export", help="a checkpoint as config.json + one HF folder per module")
     export_parser.add_argument("checkpoint")
@@ -99,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
                                         "hf-omni encode train.py config.yaml [--key value ...]")
     encode_parser.add_argument("script")
     encode_parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    return parser, {"export": export_parser, "push": push_parser, "encode": encode_parser}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser()[0].parse_args(argv)
     if args.command == "export":
         export(args.checkpoint, args.out)
         print(f"exported {args.checkpoint} to {args.out}")
