@@ -1,5 +1,9 @@
 """The documentation site: Sphinx with MyST (the pages stay Markdown that reads on GitHub) and autodoc (the API
-reference from the docstrings). Built by tests/test_docs_site.py with warnings as errors."""
+reference from the docstrings). Built by tests/test_docs_site.py with warnings as errors.
+
+Sphinx rather than MkDocs: it is released and maintained (MkDocs itself has had no release since 2024), autodoc
+renders the package's docstrings without a plugin of its own, and MyST resolves `page.md#anchor` links at build
+time, so a broken link fails the build."""
 
 import os
 import sys
