@@ -1,6 +1,6 @@
 """OmniPlugin in a plain Accelerate loop (no Trainer): the digits captioner with per-module settings.
 
-    python examples/custom_loop.py
+    python examples/custom_loop.py [--steps 300]
     accelerate launch --multi_gpu --num_processes 2 examples/custom_loop.py
 
 The whole training step is on one screen: forward, backward (no gradient sync on accumulation micro-steps),
@@ -8,6 +8,7 @@ per-module clipping, every module's optimizer and scheduler.
 """
 
 import contextlib
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -15,7 +16,8 @@ from accelerate import Accelerator
 from hf_omni import OmniPlugin
 from hf_omni.testing.digits import build_model, caption_accuracy, load_splits
 
-STEPS, ACCUMULATION, BATCH = 300, 2, 32
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 300
+ACCUMULATION, BATCH = 2, 32
 
 plugin = OmniPlugin(
     modules={"projector": {"learning_rate": 3e-3}, "llm": {"max_grad_norm": 1.0, "lr_scheduler_type": "cosine"}},

@@ -36,3 +36,12 @@ def test_the_cli_reference_is_the_parsers_help():
     with open(cli_reference.PAGE) as f:
         written = cli_reference.page_section(f.read())
     assert written == cli_reference.section(), "docs/cli.md is stale: python docs/cli_reference.py --write"
+
+
+def test_the_versions_page_is_setup_cfg_and_the_constraints():
+    spec = importlib.util.spec_from_file_location("compatibility", os.path.join(DOCS, "compatibility.py"))
+    compatibility = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compatibility)
+    with open(compatibility.PAGE) as f:
+        written = compatibility.page_table(f.read())
+    assert written == compatibility.table(), "docs/compatibility.md is stale: python docs/compatibility.py --write"
