@@ -5,10 +5,11 @@
 - `fake_world_512_memory`: one rank of 512 (torch's fake process group: collectives move nothing, every buffer a
   rank of 512 allocates is allocated), in a process of its own: two Llama-3-70B decoder layers, then one
   Mixtral-8x7B decoder layer with its experts spread over 8 ranks, each prepared by hf_omni's own driver (the weight
-  read replaced by a random fill of the local shards), one forward, backward and AdamW step; peak memory against
-  the per-rank formula below.
+  read replaced by a random fill of the local shards; expert parallelism's token counts mirrored), one forward,
+  backward and AdamW step; peak memory against the per-rank formula of the check.
+- `fake_world_steps`: a fake world of 2 for `sync_free_steps` at one GPU (bench/gpu_check.py).
 
-    python bench/gpu_scale_checks.py --fake-world llama70b|mixtral   # one model, one JSON line (what the check runs)
+    python bench/gpu_scale_checks.py --fake-world llama70b|mixtral|steps   # one run, one JSON line (as the checks)
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ import time
 import torch
 from checklist import CUDA, RANK, WORLD, check
 
-FAKE_WORLD, MARGIN, TOKENS, BATCH_FAKE = 512, 1.25, 8, 4  # tokens: batch 1; BATCH_FAKE: steps'
+FAKE_WORLD, MARGIN, TOKENS, BATCH_FAKE = 512, 1.25, 8, 4  # TOKENS: batch 1; BATCH_FAKE: fake_world_steps' rows
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}  # FSDP2's policy in hf_omni's bf16 runs
 MODELS = {  # the module each fake-world run trains, and its modules' settings
     "llama70b": {"family": "llama", "layers": 2, "hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8,
-                     "parallelism": None},
+                 "parallelism": None},
     "mixtral": {"family": "mixtral", "layers": 1, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
-                    "parallelism": {"dp_shard_size": FAKE_WORLD, "ep_size": 8}},  # experts: 8 x 64
+                "parallelism": {"dp_shard_size": FAKE_WORLD, "ep_size": 8}},  # experts: 8 ep x 64 efsdp
 }
 # accumulation_peak_memory's Llama: ~1B on a GPU (`ACCUMULATION_TINY = True`: a tiny one, to run its path on CPU)
 ACCUMULATION_TINY = os.environ.get("HF_OMNI_ACCUMULATION_TINY") == "1"
-ACCUMULATION_LLAMA = ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                           "num_key_value_heads": 4, "vocab_size": 256} if ACCUMULATION_TINY else
-                      {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
-                           "num_key_value_heads": 16, "vocab_size": 32000})
+ACCUMULATION_LLAMA = (
+    {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+     "num_key_value_heads": 4, "vocab_size": 256} if ACCUMULATION_TINY else
+    {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+     "num_key_value_heads": 16, "vocab_size": 32000})
 ACCUMULATION_BATCH, ACCUMULATION_LENGTH, ACCUMULATION_RATIO = 4, 512, 1.05
 
 
@@ -97,6 +99,29 @@ def random_fill(module, folder, device, name=""):
     return []
 
 
+MIRRORED = []  # the tokens each mirrored count exchange routes (fake world, expert parallelism)
+
+
+def mirror_count_exchange() -> None:
+    """Expert parallelism exchanges its per-expert token counts with an even-split `all_to_all_single` into an
+    uninitialised tensor, then sizes the token all-to-all by it; a fake collective leaves that tensor as allocated
+    (garbage sizes where the allocator reuses memory). In this process every even-split all-to-all returns this
+    rank's own counts: it receives as many tokens from each rank as it sends there (a balanced load)."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def mirrored(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if output_split_sizes is None and input_split_sizes is None and output.shape == input.shape:
+            output.copy_(input)
+            MIRRORED.append(input.sum().item())
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    for module in [dist, *sys.modules.values()]:  # transformers imports it by name (now or later)
+        if getattr(module, "all_to_all_single", None) is original:
+            module.all_to_all_single = mirrored
+
+
 def fake_world(which: str) -> dict:
     """One rank of FAKE_WORLD: `which` prepared by hf_omni's driver, one step; figures for the check."""
     import types
@@ -131,6 +156,8 @@ def fake_world(which: str) -> dict:
         accelerator = types.SimpleNamespace(device=device, mixed_precision="bf16",  # master_dtype auto: fp32
                                             prepare_model=lambda model, **kwargs: model)
         driver.fill_module = random_fill
+        if spec["parallelism"]:
+            mirror_count_exchange()
         held = reset_peak()
         started = time.perf_counter()
         driver.prepare_modules(accelerator, model, fsdp_scope="module")
@@ -149,8 +176,9 @@ def fake_world(which: str) -> dict:
     transient = 10 * unit  # bf16: 2 units gathered (this + prefetched) 4U, its gradients 2U, fp32 reduce input 4U
     activations = 4 * TOKENS * spec["layers"] * (24 * spec["hidden"] + 6 * spec["intermediate"])
     return {"model": which, "params": params, "local": local, "unit": unit, "shards": sorted(map(str, shards)),
-                "measured": measured, "bound": state + transient + activations, "state": state, "transient": transient,
-                "activations": activations, "seconds": seconds, "how": "max_memory_allocated" if CUDA else "VmHWM - VmRSS"}
+            "measured": measured, "bound": state + transient + activations, "state": state, "transient": transient,
+            "activations": activations, "seconds": seconds, "mirrored": MIRRORED,
+            "how": "max_memory_allocated" if CUDA else "VmHWM - VmRSS"}
 
 
 def run_fake_world(which: str) -> dict:
@@ -165,7 +193,8 @@ def run_fake_world(which: str) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         sys.stderr.write(done.stderr[-4000:])
-        raise RuntimeError(f"fake world {which}: exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}")
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"fake world {which}: exit {done.returncode}: {last}")
     return json.loads(lines[-1])
 
 
@@ -258,7 +287,8 @@ def fake_world_512_memory():
         rows.append(f"{which}: {r['measured'] / 2**30:.2f} GiB / bound {r['bound'] / 2**30:.2f} = {ratio:.2f} "
                     f"(shards {r['local'] / 1e6:.1f}M of {r['params'] / 1e9:.2f}B, {'/'.join(r['shards'])}; "
                     f"state {r['state'] / 2**20:.0f} MiB, 10 x unit {r['transient'] / 2**30:.2f} GiB; "
-                    f"{r['seconds']:.0f} s)")
+                    f"{r['seconds']:.0f} s" + (f"; ep: {sum(r['mirrored'])} token rows to this rank's expert, counts "
+                                               "mirrored)" if r["mirrored"] else ")"))
     return ok, f"rank 0 of fake {FAKE_WORLD}, peak by {r['how']}: " + "; ".join(rows) + f" (want <= {MARGIN})"
 
 
