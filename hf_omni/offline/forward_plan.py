@@ -1,4 +1,4 @@
-"""One exchange per forward for all of a composed model's entry points (the rules are in `missing_modality.py`).
+"""One exchange before a forward for all of a composed model's entry points (rules: `missing_modality.py`).
 
 Before `forward` runs (OmniModel's forward pre-hook), every rank shares in one all-gather of host integers:
 - for each offline module, which of its cached outputs the rank was given (shapes, dtypes);
@@ -14,6 +14,7 @@ inputs `forward` makes itself (named unlike its arguments, or called outside `fo
 instead: one more all-gather. Every error a rank finds on its own in the exchange (a `forward` or entry point it
 cannot bind, inputs given in part or not tensors, a call unlike the plan) travels in one of these collectives: every
 rank raises it, naming that rank, instead of one rank raising while the others wait in the module's collectives.
+The forwards of an accumulation window, and those of a `generate` call, share this once for all (`window.py`).
 """
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ def agree_window(model, batches: list, size: int | None = None, turns: bool = Fa
         entries.append(groups)
         problem = problem or found
     rows = [exchange.own_rows(groups) for groups in entries]
-    width, height = len(rows[0][0]), len(rows[0])
+    width, height = len(rows[0][0]), len(rows[0]) - 1  # sent without each batch's error row: the window's is first
     table = [[int(problem is not None), len(batches)] + [0] * (width - 2)]
     for k in range(size):
-        table += rows[k] if k < len(rows) else [[0] * width for _ in range(height)]
+        table += rows[k][:height] if k < len(rows) else [[0] * width for _ in range(height)]
     everyone = all_gather_host(table, checkpoint_group())
     if any(ranks[0][0] or ranks[0][1] != len(batches) for ranks in everyone):
         return False  # every rank alike: each forward exchanges on its own (and raises the error there)
