@@ -11,10 +11,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers import ResNetConfig, ResNetModel
 
 import hf_omni.offline.exchange as exchange_module
-import hf_omni.offline.forward_plan as forward_plan
 import hf_omni.offline.missing_modality as missing
 from hf_omni import OmniModel, offline_encoder
 from hf_omni.modules.slot import Stage
+from hf_omni.offline import forward_plan
 from hf_omni.offline.exchange import Shared
 from hf_omni.parallel.ddp import DdpStrategy
 from hf_omni.parallel.driver import Prepared
@@ -350,7 +350,7 @@ def test_a_window_with_a_wrong_batch_queues_nothing(tower, monkeypatch):
     """The forward's own exchange raises the error on every rank, as without a window."""
     from hf_omni.offline.window import agree_window
 
-    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    model, _ = two_towers(tower, monkeypatch, PlannedTowers)
     window_gather(model, monkeypatch, others_have_images=False)
     assert not agree_window(model, [{**IMAGES, "sound": SOUNDS["sound"]}])
     with pytest.raises(ValueError, match=r"encode_audio got \['sound'\] but None for \['sound_mask'\]"):

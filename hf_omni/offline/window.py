@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +52,6 @@ class Window:
     answers: list
     turns: bool  # True: each answer belongs to one training step (`begin_turn`), taken by its first forward only
     current: tuple | None = None  # under turns: the answer of the training step now running
-    taken: list = field(default_factory=list)  # per forward that looked: whether it took an answer (tests read it)
 
 
 def split_specs(model) -> tuple[list, list]:
@@ -112,9 +111,7 @@ def take(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple
     if answer is None:
         return None
     groups, problem, planned = forward_groups(model, args, kwargs, offline, online)
-    matches = exchange.own_rows(groups, problem) == answer[0]
-    window.taken.append(matches)
-    if not matches:
+    if exchange.own_rows(groups, problem) != answer[0]:
         return None
     if not window.turns:
         window.answers.pop(0)
@@ -129,7 +126,7 @@ class Call:
 
     forwards: int = 0
     answer: tuple | None = None
-    exchanges: int = 0  # (tests read it)
+    exchanges: int = 0
 
 
 def one_call(generate):
