@@ -1,7 +1,7 @@
 """The GPU checklist: ordered checks of what only a CUDA / NCCL machine proves, one PASS / FAIL line each.
 
-    torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-9 (world 1: modules wrapped)
-    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 11, 12
+    torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-11 (world 1: modules wrapped)
+    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 13, 14
     torchrun --nproc_per_node 4 bench/gpu_check.py --only hsdp    # HSDP needs 4 ranks;  --list: the checks, not run
 
 A line: status, check, seconds, its figure. `PASS` / `FAIL` on CUDA; `PASS (cpu)` / `FAIL (cpu)` when it ran on
@@ -145,7 +145,30 @@ def fsdp_bf16_masters():
             f"max relative loss difference {worst:.4f} vs the fp32 CPU loop, {len(losses)} steps (tol {TOLERANCE})")
 
 
-@check(30, "needs CUDA (set_sync_debug_mode)", needs=("cuda",))
+@check(20, "the same code under gloo; bf16 compute on CPU kernels")
+def dtypes():
+    seen, model = {"shard": set(), "grad": set()}, build_model()
+    model.llm.model.layers[0].self_attn.q_proj.register_forward_hook(  # a Linear's output: the gathered dtype
+        lambda module, inputs, out: seen.setdefault("compute", {out.dtype}) and None)
+
+    class Grads(TrainerCallback):  # the gradients exist between clipping and the optimizer step
+        def on_pre_optimizer_step(self, args, st, control, model=None, **kw):
+            for p in model.llm.parameters():
+                seen["shard"].add(local(p).dtype)
+                seen["grad"].add(local(p.grad).dtype if p.grad is not None else None)
+            seen["dtensor"] = hasattr(next(model.llm.parameters()), "to_local")
+
+    trainer = trainer_for(model, FSDP_BF16, 1, "dtypes", [Grads()])
+    exp_avg = {local(s["exp_avg"]).dtype for s in trainer.plugin.optimizer.optimizers["llm"].state.values()}
+    ok = seen["shard"] == seen["grad"] == exp_avg == {torch.float32} and seen.get("compute") == {torch.bfloat16}
+    name = lambda dtypes: "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))  # noqa: E731
+    return ok and seen["dtensor"], (
+        f"llm shard {name(seen['shard'])} ({'DTensor' if seen['dtensor'] else 'NOT sharded'}), grad "
+        f"{name(seen['grad'])}, exp_avg {name(exp_avg)}, compute {name(seen.get('compute', {None}))} "
+        f"(want fp32 x3, bf16)")
+
+
+@check(45, "needs CUDA (set_sync_debug_mode)", needs=("cuda",))
 def sync_free_steps():
     state = {"clean": 0}
 
@@ -169,7 +192,46 @@ def sync_free_steps():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     where = "rank 1 without images every other step" if WORLD > 1 else "1 rank: every batch has images"
-    return state["clean"] == 5, f"{state['clean']} of 5 steps without a host sync (global clipping; {where})"
+    figure = f"{state['clean']} of 5 steps without a host sync (global clipping; {where})"
+    if WORLD > 1:
+        return state["clean"] == 5, figure
+    from gpu_scale_checks import run_fake_world_steps  # one rank: FSDP2 at 2 ranks too, in a fake world
+
+    fake = run_fake_world_steps()
+    issued = all(any(n.startswith(kind) for n in fake["collectives"]) for kind in ("all_gather", "reduce_scatter"))
+    return state["clean"] == 5 and fake["armed"] == 5 and issued, figure + (
+        f"; fake world of 2 (LLM alone, FSDP2 {fake['placements']}, hf_omni's global norm, clipping, AdamW): "
+        f"{fake['armed']} of 5 armed steps without a host sync{' (' + fake['error'] + ')' if fake['error'] else ''}, "
+        f"collectives {sorted(fake['collectives'])}")
+
+
+@check(60, "the same code under gloo; no copy stream on CPU")
+def async_save_resume():
+    ends = []
+
+    class Tick(TrainerCallback):  # each step's end, the training stream drained (not the copy stream)
+        def on_step_end(self, *args, **kw):
+            if CUDA:
+                torch.cuda.current_stream().synchronize()
+            ends.append(time.perf_counter())
+
+    straight = trainer_for(build_model(), FSDP_BF16, 8, "async", [Tick()], save_strategy="steps", save_steps=4,
+                           save_async=True)
+    stream = getattr(getattr(getattr(straight.plugin.checkpointer, "pipeline", None), "stream", None), "stream", None)
+    if CUDA:
+        ok_stream = stream is not None and stream != torch.cuda.default_stream()
+        named = f"copy stream {stream!r}: " + ("not the default stream" if ok_stream else "NOT a stream of its own")
+    else:
+        ok_stream, named = stream is None, "no copy stream (CPU)"
+    resumed = trainer_for(build_model(), FSDP_BF16, 8, "async_resumed", resume=f"{ROOT}/async/checkpoint-4")
+    want, got = trained_tensors(straight.model), trained_tensors(resumed.model)
+    equal = sum(torch.equal(want[k], got[k]) for k in want if k in got)
+    step = {k: ends[k - 1] - ends[k - 2] for k in (3, 4, 5, 6)}  # step k: from step k-1's end to its own
+    times = ", ".join(f"{k}: {v * 1000:.0f}" for k, v in step.items())
+    ratio = step[5] / statistics.median([step[3], step[4], step[6]])
+    return (equal == len(want) == len(got) and ok_stream,
+            f"resume from checkpoint-4 to 8: {equal}/{len(want)} tensors bitwise equal; step ms {times} (saved "
+            f"after 4: step 5 / median of 3, 4, 6 = {ratio:.2f}); {named}")
 
 
 @check(45, "needs CUDA while torch's CPU offload pins memory (refused without an accelerator)")
@@ -211,116 +273,6 @@ def offload_clipping():
               f"offload {worst:.1e} (normal build and empty_init; tol 1e-4); llm shards on cpu, buffers on "
               f"{'cuda' if CUDA else 'cpu'}")
     return not problems and worst <= 1e-4, (figure if not problems else "; ".join(problems))
-
-
-@check(20, "the same code under gloo; bf16 compute on CPU kernels")
-def dtypes():
-    seen, model = {"shard": set(), "grad": set()}, build_model()
-    model.llm.model.layers[0].self_attn.q_proj.register_forward_hook(  # a Linear's output: the gathered dtype
-        lambda module, inputs, out: seen.setdefault("compute", {out.dtype}) and None)
-
-    class Grads(TrainerCallback):  # the gradients exist between clipping and the optimizer step
-        def on_pre_optimizer_step(self, args, st, control, model=None, **kw):
-            for p in model.llm.parameters():
-                seen["shard"].add(local(p).dtype)
-                seen["grad"].add(local(p.grad).dtype if p.grad is not None else None)
-            seen["dtensor"] = hasattr(next(model.llm.parameters()), "to_local")
-
-    trainer = trainer_for(model, FSDP_BF16, 1, "dtypes", [Grads()])
-    exp_avg = {local(s["exp_avg"]).dtype for s in trainer.plugin.optimizer.optimizers["llm"].state.values()}
-    ok = seen["shard"] == seen["grad"] == exp_avg == {torch.float32} and seen.get("compute") == {torch.bfloat16}
-    name = lambda dtypes: "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))  # noqa: E731
-    return ok and seen["dtensor"], (
-        f"llm shard {name(seen['shard'])} ({'DTensor' if seen['dtensor'] else 'NOT sharded'}), grad "
-        f"{name(seen['grad'])}, exp_avg {name(exp_avg)}, compute {name(seen.get('compute', {None}))} "
-        f"(want fp32 x3, bf16)")
-
-
-@check(30, "needs CUDA (fp16 is refused on CPU)", needs=("cuda",))
-def fp16_injected_inf():
-    modules = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
-               "llm": {"parallel": "ddp", "learning_rate": 1e-3}}
-    box, seen = {}, {}
-
-    def now():  # every trained tensor, the scale, each module's scheduler position
-        return (trained_tensors(trainer.model), trainer.accelerator.scaler.get_scale(),
-                {n: s.last_epoch for n, s in trainer.plugin.scheduler.schedulers.items()})
-
-    class Inject(TrainerCallback):
-        def on_train_begin(self, args, st, control, model=None, **kw):
-            trainer.accelerator.scaler._init_scale = 2.0 ** 10  # read lazily: no natural overflow at step 2
-            if RANK == WORLD - 1:  # one rank, one projector gradient; hooked after wrapping
-                next(model.projector.parameters()).register_hook(
-                    lambda g: g * float("inf") if box.get("step") == 3 else g)
-
-        def on_step_begin(self, args, st, control, **kw):
-            box["step"] = st.global_step + 1
-            box["before"] = now()
-
-        def on_step_end(self, args, st, control, **kw):
-            (tensors, scale, epochs), (after, scale_after, epochs_after) = box["before"], now()
-            seen[box["step"]] = (sum(not torch.equal(tensors[k], after[k]) for k in after), len(after), scale,
-                                 scale_after, epochs, epochs_after)
-
-    trainer = trainer_for(build_model(), modules, 4, "fp16", [Inject()], run=False, fp16=True)
-    trainer.train()
-    (changed2, n, _, _, e2, e2_after), (changed3, _, s3, s3_after, e3, e3_after) = seen[2], seen[3]
-    ok = (changed2 > 0 and all(e2_after[k] == e2[k] + 1 for k in e2)  # the control step stepped
-          and changed3 == 0 and s3_after == s3 / 2 and e3_after == e3)
-    return ok, (f"step 3 (inf in one projector gradient): {changed3}/{n} tensors changed, scale {s3:g} -> "
-                f"{s3_after:g}, schedulers' last_epoch {e3} -> {e3_after}; control step 2: {changed2}/{n} "
-                f"changed, last_epoch {e2} -> {e2_after}")
-
-
-@check(60, "the same code under gloo; no copy stream on CPU")
-def async_save_resume():
-    ends = []
-
-    class Tick(TrainerCallback):  # each step's end, the training stream drained (not the copy stream)
-        def on_step_end(self, *args, **kw):
-            if CUDA:
-                torch.cuda.current_stream().synchronize()
-            ends.append(time.perf_counter())
-
-    straight = trainer_for(build_model(), FSDP_BF16, 8, "async", [Tick()], save_strategy="steps", save_steps=4,
-                           save_async=True)
-    stream = getattr(getattr(getattr(straight.plugin.checkpointer, "pipeline", None), "stream", None), "stream", None)
-    if CUDA:
-        ok_stream = stream is not None and stream != torch.cuda.default_stream()
-        named = f"copy stream {stream!r}: " + ("not the default stream" if ok_stream else "NOT a stream of its own")
-    else:
-        ok_stream, named = stream is None, "no copy stream (CPU)"
-    resumed = trainer_for(build_model(), FSDP_BF16, 8, "async_resumed", resume=f"{ROOT}/async/checkpoint-4")
-    want, got = trained_tensors(straight.model), trained_tensors(resumed.model)
-    equal = sum(torch.equal(want[k], got[k]) for k in want if k in got)
-    step = {k: ends[k - 1] - ends[k - 2] for k in (3, 4, 5, 6)}  # step k: from step k-1's end to its own
-    times = ", ".join(f"{k}: {v * 1000:.0f}" for k, v in step.items())
-    ratio = step[5] / statistics.median([step[3], step[4], step[6]])
-    return (equal == len(want) == len(got) and ok_stream,
-            f"resume from checkpoint-4 to 8: {equal}/{len(want)} tensors bitwise equal; step ms {times} (saved "
-            f"after 4: step 5 / median of 3, 4, 6 = {ratio:.2f}); {named}")
-
-
-@check(30, "the per-module table only (the peak needs CUDA)")
-def memory_vs_profile():
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    trainer = trainer_for(build_model(), FSDP_BF16, 3 if CUDA else 1, "memory")
-    if not hasattr(trainer.plugin, "module_bytes"):
-        return False, "OmniPlugin.module_bytes() is missing (the per-module bytes table): nothing to compare"
-    table, kinds = trainer.plugin.module_bytes(), ("parameters", "gradients", "optimizer", "master")
-    sums = {name: sum(int(row.get(k, 0)) for k in kinds) for name, row in table.items()}
-    total, rows = sum(sums.values()), ", ".join(f"{n} {b / 2**20:.2f}" for n, b in sums.items())
-    well_formed = bool(table) and all(set(kinds) <= set(row) for row in table.values())
-    if not CUDA:
-        return well_formed, f"table MiB per rank: {rows}; total {total / 2**20:.2f} (cpu: no peak to compare)"
-    peak = torch.cuda.max_memory_allocated() - held
-    return (well_formed and total <= peak,
-            f"peak {peak / 2**20:.1f} MiB (above what was held before) / table {total / 2**20:.1f} MiB = "
-            f"{peak / max(total, 1):.2f} (want >= 1, about < 3 with activations); table MiB: {rows}")
 
 
 def offload_refused(err: RuntimeError):
@@ -397,6 +349,67 @@ def offload_fused_moe_save():
         plugin.close()
 
 
+@check(30, "the per-module table only (the peak needs CUDA)")
+def memory_vs_profile():
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = trainer_for(build_model(), FSDP_BF16, 3 if CUDA else 1, "memory")
+    if not hasattr(trainer.plugin, "module_bytes"):
+        return False, "OmniPlugin.module_bytes() is missing (the per-module bytes table): nothing to compare"
+    table, kinds = trainer.plugin.module_bytes(), ("parameters", "gradients", "optimizer", "master")
+    sums = {name: sum(int(row.get(k, 0)) for k in kinds) for name, row in table.items()}
+    total, rows = sum(sums.values()), ", ".join(f"{n} {b / 2**20:.2f}" for n, b in sums.items())
+    well_formed = bool(table) and all(set(kinds) <= set(row) for row in table.values())
+    if not CUDA:
+        return well_formed, f"table MiB per rank: {rows}; total {total / 2**20:.2f} (cpu: no peak to compare)"
+    peak = torch.cuda.max_memory_allocated() - held
+    return (well_formed and total <= peak,
+            f"peak {peak / 2**20:.1f} MiB (above what was held before) / table {total / 2**20:.1f} MiB = "
+            f"{peak / max(total, 1):.2f} (want >= 1, about < 3 with activations); table MiB: {rows}")
+
+
+import gpu_scale_checks  # noqa: F401 - registers accumulation_peak_memory, fake_world_512_memory here
+
+
+@check(30, "needs CUDA (fp16 is refused on CPU)", needs=("cuda",))
+def fp16_injected_inf():
+    modules = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
+               "llm": {"parallel": "ddp", "learning_rate": 1e-3}}
+    box, seen = {}, {}
+
+    def now():  # every trained tensor, the scale, each module's scheduler position
+        return (trained_tensors(trainer.model), trainer.accelerator.scaler.get_scale(),
+                {n: s.last_epoch for n, s in trainer.plugin.scheduler.schedulers.items()})
+
+    class Inject(TrainerCallback):
+        def on_train_begin(self, args, st, control, model=None, **kw):
+            trainer.accelerator.scaler._init_scale = 2.0 ** 10  # read lazily: no natural overflow at step 2
+            if RANK == WORLD - 1:  # one rank, one projector gradient; hooked after wrapping
+                next(model.projector.parameters()).register_hook(
+                    lambda g: g * float("inf") if box.get("step") == 3 else g)
+
+        def on_step_begin(self, args, st, control, **kw):
+            box["step"] = st.global_step + 1
+            box["before"] = now()
+
+        def on_step_end(self, args, st, control, **kw):
+            (tensors, scale, epochs), (after, scale_after, epochs_after) = box["before"], now()
+            seen[box["step"]] = (sum(not torch.equal(tensors[k], after[k]) for k in after), len(after), scale,
+                                 scale_after, epochs, epochs_after)
+
+    trainer = trainer_for(build_model(), modules, 4, "fp16", [Inject()], run=False, fp16=True)
+    trainer.train()
+    (changed2, n, _, _, e2, e2_after), (changed3, _, s3, s3_after, e3, e3_after) = seen[2], seen[3]
+    ok = (changed2 > 0 and all(e2_after[k] == e2[k] + 1 for k in e2)  # the control step stepped
+          and changed3 == 0 and s3_after == s3 / 2 and e3_after == e3)
+    return ok, (f"step 3 (inf in one projector gradient): {changed3}/{n} tensors changed, scale {s3:g} -> "
+                f"{s3_after:g}, schedulers' last_epoch {e3} -> {e3_after}; control step 2: {changed2}/{n} "
+                f"changed, last_epoch {e2} -> {e2_after}")
+
+
 @check(40, "4 gloo ranks, launched with --nproc_per_node 4", needs=("4 ranks",))
 def hsdp():
     hybrid = copy.deepcopy(FP32)  # 2 x 1 is refused (replicas without sharding are `parallel: ddp`)
@@ -444,6 +457,7 @@ class MaskedTower(OmniModel):
 @check(20, "2 gloo ranks, launched with --nproc_per_node 2", needs=("2 ranks",))
 def nccl_missing_modality_one_rank_raises():  # last: it leaves the training group mid-step
     from accelerate import Accelerator
+
     from hf_omni import OmniPlugin
 
     plugin, accelerator = OmniPlugin(modules={"vision": {"parallel": "ddp"}}), Accelerator(cpu=not CUDA)

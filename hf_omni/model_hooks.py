@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from .offline.spec import OfflineEncoder, class_encoders, declared_encoders
+from .offline.window import one_call
 
 
 class ModelHooks:
@@ -14,6 +15,13 @@ class ModelHooks:
     reduce_every_micro_step = False  # its forward decides per batch which modules run: no accumulation window
     released_folder: str | None = None  # a checkpoint's copy in a released model's own format, beside the modules
     encoders_from_settings = False  # its offline encoders are named by `modules.<name>.offline_encoder`
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass that can `generate` (`GenerationMixin`): the missing-modality exchange of its forwards agreed
+        per call, not per token (`offline.window.one_call`)."""
+        super().__init_subclass__(**kwargs)
+        if callable(getattr(cls, "generate", None)):
+            cls.generate = one_call(cls.generate)
 
     def sync_parts(self) -> None:
         """Before its modules are prepared: what freezing and LoRA replaced, into the model whose forward runs."""

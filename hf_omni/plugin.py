@@ -4,7 +4,7 @@ For people who write their own Accelerate loop (OmniTrainer is a thin layer over
 
     plugin = OmniPlugin.from_args(args)            # or OmniPlugin(modules={...}, defaults={...})
     model, optimizer, scheduler = plugin.prepare(accelerator, model, num_training_steps=1000)
-    for batch in loader:
+    for batch in loader:                           # (plugin.agree_window(batches): a window's exchange at once)
         with plugin.no_sync() if not last_micro_step else contextlib.nullcontext():
             accelerator.backward(model(**batch).loss)
         plugin.clip_grad_norm_()
@@ -33,12 +33,12 @@ from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.serve import serve_from_caches
+from .offline.window import agree_window
 from .optim.ema import attach_emas
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
 from .parallel.driver import Prepared, apply_training_modes, prepare_modules
 from .profile import ModuleProfile
-from .timing_marks import logged_steps
 
 
 class OmniPlugin:
@@ -179,8 +179,7 @@ class OmniPlugin:
         """One optimizer and one scheduler per trainable module (again on a second `train()`)."""
         self.optimizer, self.scheduler = build_optimizers(self.model, self.args, num_training_steps, self.scaler)
         self.profile.close()  # a second run: fresh hooks, counting the new optimizers' steps
-        self.profile = ModuleProfile(self.model.slots, self.prepared.device, logged_steps(
-            self.args.logging_strategy, self.args.logging_steps, self.args.logging_first_step))
+        self.profile = ModuleProfile.for_args(self.model.slots, self.prepared.device, self.args)
         self.optimizer.before_step, self.optimizer.after_step = self.checkpointer.fence, [self.profile.stepped]
         attach_emas(self.model, self.optimizer)  # `ema`: shadows now, updated after each step that stepped
 
@@ -191,6 +190,10 @@ class OmniPlugin:
     def no_sync(self):
         """Gradient accumulation: no gradient sync in any module inside this context."""
         return self.prepared.no_sync()
+
+    def agree_window(self, batches: list) -> bool:
+        """One all-gather for the missing-modality exchange of a window's `batches`, in order (`offline.window`)."""
+        return agree_window(self.model, batches)
 
     def clip_grad_norm_(self) -> torch.Tensor:
         """Clip per module (`grad_clip_scope: per_module`, each to its own `max_grad_norm`) or globally; returns the

@@ -192,6 +192,11 @@ class ModuleProfile:
                        if slot.kind != "offline" and not any(p.is_meta for p in slot.module.parameters())}
         self.time_step(1)
 
+    @classmethod
+    def for_args(cls, slots: dict, device, args) -> "ModuleProfile":
+        """Timing the steps that end in a log under `args`' logging settings (`timing_marks.logged_steps`)."""
+        return cls(slots, device, logged_steps(args.logging_strategy, args.logging_steps, args.logging_first_step))
+
     def time_step(self, step: int) -> None:
         """Step `step` (1-based) runs next: the hooks on if it is timed, off if not."""
         self.step, self.timing = step - 1, bool(self.timers) and bool(self.timed(step))

@@ -132,3 +132,30 @@ def test_a_conversion_that_is_not_row_by_row_is_left_to_transformers(saved):
     plan.groups = [(k, sources) for k, sources in plan.groups if sources != [names[0]]]  # no group: no trace
     assert row_layout(module, plan, names[0]) is None
     assert row_layout(module, plan_folder(module), "lm_head.weight") is None  # written as is, not derived
+
+
+def test_experts_the_files_lack_are_initialised_and_named(saved, tmp_path, caplog):
+    """A folder without one layer's expert tensors (a partial or pruned checkpoint): those fused tensors are
+    initialised with a warning naming them, as `from_pretrained` does, and everything else is read."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    kind, folder, loaded = saved
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    _, names = fused_names(module)
+    dropped = names[0]  # e.g. model.layers.0.mlp.experts.gate_up_proj: its per-expert file tensors removed
+    layer = ".".join(dropped.split(".")[:3]) + "."  # model.layers.<i>.: every expert file tensor of that layer
+    for path in folder.glob("*.safetensors"):
+        kept = {k: v for k, v in load_file(path).items() if not (k.startswith(layer) and ".experts." in k)}
+        save_file(kept, tmp_path / path.name, metadata={"format": "pt"})
+    for path in folder.glob("*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    with caplog.at_level(logging.WARNING, logger="hf_omni"):
+        missing = fill_module(module, str(tmp_path), torch.device("cpu"), kind)
+    lost = [n for n in names if n.startswith(layer)]
+    assert sorted(missing) == sorted(lost) and dropped in missing
+    assert any(dropped in r.getMessage() for r in caplog.records)
+    for name, tensor in module_tensors(module).items():
+        if name not in lost:
+            assert torch.equal(tensor, loaded[name]), (kind, name)

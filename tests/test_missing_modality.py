@@ -14,6 +14,7 @@ import hf_omni.offline.exchange as exchange_module
 import hf_omni.offline.missing_modality as missing
 from hf_omni import OmniModel, offline_encoder
 from hf_omni.modules.slot import Stage
+from hf_omni.offline import forward_plan
 from hf_omni.offline.exchange import Shared
 from hf_omni.parallel.ddp import DdpStrategy
 from hf_omni.parallel.driver import Prepared
@@ -64,7 +65,7 @@ def stub_exchange(model, monkeypatch) -> dict:
     for slot in model.slots.values():
         slot.trains = True
         slot.wrapped(DdpStrategy({}))
-    monkeypatch.setattr(missing, "world_size", lambda: 2)
+    monkeypatch.setattr(forward_plan, "world_size", lambda: 2)
 
     def share_inputs(groups, problem=None):
         if problem is not None:  # as every rank would, once the exchange carried it
@@ -260,3 +261,124 @@ def test_forwards_arguments_given_in_part_are_refused_before_any_module_runs(tow
                                          r"\['sound_mask'\].*every rank raises this"):
         model(**IMAGES, sound=SOUNDS["sound"])
     assert calls == []
+
+
+def window_gather(model, monkeypatch, others_have_images: bool) -> list:
+    """`window.all_gather_host` over 2 ranks: the other rank's batches are this rank's, with IMAGES where asked."""
+    import hf_omni.offline.window as window_module
+
+    calls = []
+
+    def gather(table, group):
+        calls.append(len(table))
+        if not others_have_images:
+            return [table, table]
+        rows = exchange_module.own_rows({"vision": IMAGES, "audio": SOUNDS})[:-1]  # PlannedTowers: two entry points
+        return [table, [table[0]] + rows * ((len(table) - 1) // len(rows))]
+
+    monkeypatch.setattr(window_module, "all_gather_host", gather)
+    monkeypatch.setattr(window_module, "checkpoint_group", lambda: None)
+    return calls
+
+
+def test_a_window_agreed_in_one_all_gather_serves_each_of_its_forwards(tower, monkeypatch):
+    """Two micro-batches agreed up front (one all-gather): their forwards run no exchange of their own, in order;
+    a forward unlike the next batch, one without gradients, and one after the window exchange as before."""
+    from hf_omni.offline.window import agree_window
+
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    gathers = window_gather(model, monkeypatch, others_have_images=False)
+    first, second = {**IMAGES, **SOUNDS}, {**SOUNDS}
+    assert agree_window(model, [first, second])
+    assert len(gathers) == 1 and exchange["calls"] == 0
+    model(**SOUNDS, pixel_values=torch.rand(2, 1, 8, 8), mask=IMAGES["mask"])  # not the next batch: its own exchange
+    assert exchange["calls"] == 1
+    with torch.no_grad():
+        model(**first)  # evaluation: its own exchange, the window kept
+    assert exchange["calls"] == 2
+    calls = []
+    model.vision.register_forward_hook(lambda module, args, out: calls.append(len(out.pooler_output)))
+    model(**first)["loss"].backward()
+    model(**second)["loss"].backward()  # no image on any rank (as agreed): vision skipped
+    assert exchange["calls"] == 2 and calls == [2]
+    model(**second)  # the window is spent
+    assert exchange["calls"] == 3 and len(gathers) == 1
+
+
+def test_a_window_tells_a_rank_without_images_to_run_the_dummy(tower, monkeypatch):
+    from hf_omni.offline.window import agree_window
+
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    window_gather(model, monkeypatch, others_have_images=True)
+    assert agree_window(model, [dict(SOUNDS)])
+    calls = []
+    model.vision.register_forward_hook(lambda module, args, out: calls.append(len(out.pooler_output)))
+    model(**SOUNDS)["loss"].backward()
+    assert exchange["calls"] == 0 and calls == [2]  # the dummy: the other rank's row, twice
+    assert all(p.grad is not None and not p.grad.any() for p in model.vision.parameters())
+
+
+def test_under_turns_a_batch_answer_goes_to_its_training_steps_first_forward_only(tower, monkeypatch):
+    from hf_omni.offline.window import agree_window, begin_turn
+
+    model, exchange = two_towers(tower, monkeypatch, PlannedTowers)
+    window_gather(model, monkeypatch, others_have_images=False)
+    batch = {**IMAGES, **SOUNDS}
+    assert agree_window(model, [batch, batch], size=2, turns=True)
+    model(**batch)  # outside a training step: its own exchange
+    begin_turn(model)
+    model(**SOUNDS)  # unlike its batch: its own exchange, and the batch's answer dropped
+    model(**batch)  # the same step's second forward: its own exchange (never the next batch's answer)
+    assert exchange["calls"] == 3
+    begin_turn(model)
+    model(**batch)
+    assert exchange["calls"] == 3
+
+
+def test_an_entry_point_called_unlike_its_window_plan_raises_on_its_rank(tower, monkeypatch):
+    from hf_omni.offline.window import agree_window
+
+    model, _ = two_towers(tower, monkeypatch, PlannedTowers)
+    window_gather(model, monkeypatch, others_have_images=False)
+    assert agree_window(model, [dict(SOUNDS)])
+    with pytest.raises(ValueError, match=r"encode was called on this rank with \['pixel_values', 'mask'\] .*on rank "
+                                         r"0; its plan was agreed for its accumulation window"):
+        model(**SOUNDS, make=True)
+
+
+def test_a_window_with_a_wrong_batch_queues_nothing(tower, monkeypatch):
+    """The forward's own exchange raises the error on every rank, as without a window."""
+    from hf_omni.offline.window import agree_window
+
+    model, _ = two_towers(tower, monkeypatch, PlannedTowers)
+    window_gather(model, monkeypatch, others_have_images=False)
+    assert not agree_window(model, [{**IMAGES, "sound": SOUNDS["sound"]}])
+    with pytest.raises(ValueError, match=r"encode_audio got \['sound'\] but None for \['sound_mask'\]"):
+        model(**IMAGES, sound=SOUNDS["sound"])
+
+
+def test_a_generate_call_exchanges_at_its_prefill_and_first_decoding_step_only(tower, monkeypatch):
+    """`generate` (wrapped for every OmniModel subclass that has one) over 6 tokens: transformers drops
+    `pixel_values` after the prefill on every rank, so the forwards exchange twice, then take the first decoding
+    step's answer; a later forward given other inputs raises."""
+    from transformers import GenerationMixin
+
+    from hf_omni.offline.window import CALLS
+
+    class Generating(PlannedTowers, GenerationMixin):
+        def generate(self, tokens=6, late=None, **inputs):  # transformers' loop, as far as the exchange sees it
+            with torch.no_grad():
+                self(**inputs)
+                for step in range(1, tokens):
+                    self(**(late if step == tokens - 1 and late else {k: v for k, v in inputs.items()
+                                                                      if k not in IMAGES}))
+                return CALLS[self].exchanges
+
+    assert Generating.generate.exchange_per_call
+    model, exchange = two_towers(tower, monkeypatch, Generating)
+    assert model.generate(**IMAGES, **SOUNDS) == 2 and exchange["calls"] == 2
+    assert model.generate(**IMAGES, **SOUNDS) == 2 and exchange["calls"] == 4  # each call agrees anew
+    with pytest.raises(ValueError, match=r"Generating.generate: forward 5 of this call on rank 0 was given the entry "
+                                         r"points' inputs unlike its first decoding step"):
+        model.generate(late={**IMAGES, **SOUNDS}, **IMAGES, **SOUNDS)
+    assert model not in CALLS

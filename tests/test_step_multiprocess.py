@@ -1,13 +1,14 @@
 """The training step at 2 gloo ranks, one launch (tests/scripts/mp_step.py): no host read of device memory from
 hf_omni's own frames outside logging (missing modality, offline module, global clipping), and fp16's overflow on
-one rank alone skipping every module on every rank."""
+one rank alone skipping every module on every rank; the missing-modality exchange of a loop's window
+(`plugin.agree_window`) and of a `generate` call agreed once, not per forward."""
 
 import json
 
 import pytest
 from launching import launch
 
-SCENARIOS = ("online", "offline", "offload", "grouped", "fp16")
+SCENARIOS = ("online", "offline", "offload", "grouped", "fp16", "windows")
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,14 @@ def test_grouped_by_modality_a_resume_in_epoch_1_serves_epoch_1s_order(results):
         assert sorted(straight) == sorted(resumed) == ["8", "9"] or sorted(straight) == sorted(resumed) == [8, 9]
         assert [resumed[k] for k in sorted(resumed)] == pytest.approx([straight[k] for k in sorted(straight)],
                                                                       abs=1e-6)
+
+
+def test_a_plugin_window_and_a_generate_call_agree_their_exchange_once(results):
+    """`plugin.agree_window` of 2 micro-batches: one side-group all-gather for both forwards (4 when each forward
+    exchanges and its entry point agrees). `generate` of 6 tokens (no KV cache: every forward is given the image
+    again on rank 0): the exchange and the entry point's agreement at the prefill and at the first decoding step,
+    nothing at the 4 later tokens (12 when each forward exchanges)."""
+    for facts in results["windows"]:
+        assert facts["tokens"] == 6
+        assert list(facts["window"].values()) == [1], facts["window"]
+        assert list(facts["generate"].values()) == [4], facts["generate"]

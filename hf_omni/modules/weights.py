@@ -126,9 +126,9 @@ def fill_module(module: nn.Module, folder: str, device: torch.device, module_nam
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
     if unmapped:
-        unmapped = read_fused_rows(module, folder, unmapped, module_name)
-        missing = [n for n in missing if n in layout] + (read_through_transformers(module, folder, unmapped,
-                                                                                   module_name) if unmapped else [])
+        unmapped, absent = read_fused_rows(module, folder, unmapped, module_name)
+        missing = [n for n in missing if n in layout] + absent + (
+            read_through_transformers(module, folder, unmapped, module_name) if unmapped else [])
     params = dict(module.named_parameters())
     missing = [n for n in missing if n in params]  # a buffer the files lack keeps its constructed value
     unstored = [n for n in missing if ".lora_" not in n]  # a fresh adapter is never in the base files

@@ -62,16 +62,27 @@ def share_inputs(groups: dict, problem: str | None = None) -> dict:
     read) for every group of columns at once: `groups` is {key: {column: value}} (the same keys and columns on every
     rank), and the answer {key: Shared}. A rank that found its inputs wrong (`problem`) says so in the same
     all-gather, and every rank then raises the same error, naming that rank."""
-    columns = [(key, column, value) for key, values in groups.items() for column, value in values.items()]
-    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(columns) + 1)]  # the last row: this rank's error flag
+    group = checkpoint_group()
+    everyone = all_gather_host(own_rows(groups, problem), group)  # [rank][row][field], Python ints
+    raise_shared(problem, [rows[-1][0] == 1 for rows in everyone], group)
+    return read_rows(groups, everyone)
+
+
+def own_rows(groups: dict, problem: str | None = None) -> list[list[int]]:
+    """This rank's rows of the exchange: per column [given, dtype code, ndim, *shape], then one row whose first
+    field says whether this rank found a `problem` (then its columns are left at 0)."""
+    columns = [value for values in groups.values() for value in values.values()]
+    mine = [[0] * (3 + MAX_DIMS) for _ in range(len(columns) + 1)]
     if problem is None:
-        for i, (_, _, value) in enumerate(columns):
+        for i, value in enumerate(columns):
             if given(value):
                 mine[i][:3 + value.ndim] = [1, CODES.index(value.dtype), value.ndim, *value.shape]
     mine[-1][0] = int(problem is not None)
-    group = checkpoint_group()
-    everyone = all_gather_host(mine, group)  # [rank][row][field], Python ints
-    raise_shared(problem, [rows[-1][0] == 1 for rows in everyone], group)
+    return mine
+
+
+def read_rows(groups: dict, everyone: list) -> dict:
+    """{key: Shared} from every rank's `own_rows` of `groups` (alike on every rank)."""
     shared, at, me = {}, 0, rank()
     for key, values in groups.items():
         rows = range(at, at + len(values))

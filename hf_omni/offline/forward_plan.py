@@ -1,4 +1,4 @@
-"""One exchange per forward for all of a composed model's entry points (the rules are in `missing_modality.py`).
+"""One exchange before a forward for all of a composed model's entry points (rules: `missing_modality.py`).
 
 Before `forward` runs (OmniModel's forward pre-hook), every rank shares in one all-gather of host integers:
 - for each offline module, which of its cached outputs the rank was given (shapes, dtypes);
@@ -14,15 +14,18 @@ inputs `forward` makes itself (named unlike its arguments, or called outside `fo
 instead: one more all-gather. Every error a rank finds on its own in the exchange (a `forward` or entry point it
 cannot bind, inputs given in part or not tensors, a call unlike the plan) travels in one of these collectives: every
 rank raises it, naming that rank, instead of one rank raising while the others wait in the module's collectives.
+The forwards of an accumulation window, and those of a `generate` call, share this once for all (`window.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
 from dataclasses import dataclass
 
+from ..dist import world_size
 from . import exchange
 from .ragged import stand_in
 
@@ -36,6 +39,17 @@ class Planned:
 
     shared: exchange.Shared
     own: dict
+    windowed: bool = False  # agreed with its accumulation window (`window.py`): no agreement at the call
+
+    def agreed(self) -> "Planned":
+        return dataclasses.replace(self, windowed=True)
+
+
+def runs_collectives(model) -> bool:
+    """Prepared over more than one rank with some module sharded or replicated: every rank must call the module."""
+    prepared = getattr(model, "prepared", None)
+    return prepared is not None and world_size() > 1 and any(
+        slot.strategy is not None and slot.strategy.collective for slot in model.slots.values())
 
 
 @functools.cache
@@ -59,14 +73,21 @@ def forward_arguments(model, args: tuple, kwargs: dict) -> tuple[dict, frozenset
 def share_forward(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple[dict, dict]:
     """The one all-gather: {offline module: (shape, dtype) of another rank's cached output, or None} and {entry
     point: Planned} for the online entry points whose inputs are all `forward`'s arguments."""
-    if not offline and not online:
+    groups, problem, planned = forward_groups(model, args, kwargs, offline, online)
+    if not groups:
         return {}, {}
+    return read_plan(exchange.share_inputs(groups, problem), groups, offline, planned)
+
+
+def forward_groups(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple[dict, str | None, list]:
+    """What a forward called with `args` / `kwargs` shares: {key: {column: value}} (empty: nothing to share), the
+    problem this rank found in them (None: none), and the planned entry points."""
     function = getattr(type(model).forward, "__wrapped__", type(model).forward)
     planned = [s for s in online if set(s.inputs) <= forward_signature(function)[1]]  # alike on every rank
     if not offline and not planned:
-        return {}, {}
+        return {}, None, []
     groups, problem = {}, None
-    try:  # whatever fails here fails in the all-gather below, on every rank alike
+    try:  # whatever fails here fails in the all-gather, on every rank alike
         arguments = forward_arguments(model, args, kwargs)[0]
     except TypeError as err:
         arguments, problem = {}, f"{type(model).__name__}.forward: {err}"
@@ -78,6 +99,10 @@ def share_forward(model, args: tuple, kwargs: dict, offline: list, online: list)
         values = groups["inputs", spec.method] = {c: arguments.get(c) for c in spec.inputs}
         problem = problem or exchange.partly_given(spec, values) or exchange.wrong_value(spec.module, spec.method,
                                                                                           values)
-    shared = exchange.share_inputs(groups, problem)
+    return groups, problem, planned
+
+
+def read_plan(shared: dict, groups: dict, offline: list, planned: list) -> tuple[dict, dict]:
+    """`share_forward`'s answer from the exchange's {key: Shared} of `groups`."""
     cached = {s.module: shared["output", s.module].donors[s.output] for s in offline}
     return cached, {s.method: Planned(shared["inputs", s.method], groups["inputs", s.method]) for s in planned}

@@ -38,10 +38,10 @@ import weakref
 import torch
 
 from ..compat import queue_backward_callback
-from ..dist import world_size
-from . import exchange
+from ..dist import rank
+from . import exchange, window
 from .exchange import given, partly_given, wrong_value
-from .forward_plan import PLAN, share_forward
+from .forward_plan import PLAN, runs_collectives, share_forward
 from .ragged import empty_form, items_of, stand_in
 from .spec import class_encoders
 
@@ -79,7 +79,12 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     else:  # shared before forward, from its arguments
         shared = plan.shared  # this call agrees that it goes as planned (one integer per rank), or all raise
         wrong = error is not None or wrong_value(spec.module, spec.method, inputs) or present and shared.donor is None
-        exchange.agree(failure or (exchange.not_as_planned(spec, present) if wrong else None))
+        problem = failure or (exchange.not_as_planned(spec, present) if wrong else None)
+        if not plan.windowed:
+            exchange.agree(problem)
+        elif problem is not None:  # agreed with the window: no collective at the call (window.py)
+            raise ValueError(f"{problem} (on rank {rank()}; its plan was agreed for its accumulation window or "
+                             "generate call, so no collective tells the other ranks)")
         if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
             own = {c: plan.own[c][:1] for c in spec.inputs}
     if spec.ragged and not shared.everyone and shared.donor is not None:  # every rank knows the same: all raise
@@ -181,17 +186,11 @@ def in_window(model, spec, sample):
     return sample
 
 
-def runs_collectives(model) -> bool:
-    """Prepared over more than one rank with some module sharded or replicated: every rank must call the module."""
-    prepared = getattr(model, "prepared", None)
-    return prepared is not None and world_size() > 1 and any(
-        slot.strategy is not None and slot.strategy.collective for slot in model.slots.values())
-
-
 def before_forward(model, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of `OmniModel`: nothing left from a previous forward (one that raised); then the forward's
-    one exchange (`forward_plan.py`): which offline modules' cached outputs each rank was given (their entry point's
-    answer on a rank given none), and the inputs of the entry points `forward` is given."""
+    one exchange (`forward_plan.py`), or its answer agreed for its accumulation window (`window.py`): which offline
+    modules' cached outputs each rank was given (their entry point's answer on a rank given none), and the inputs of
+    the entry points `forward` is given."""
     PENDING.pop(model, None)
     CACHED.pop(model, None)
     PLAN.pop(model, None)
@@ -199,7 +198,10 @@ def before_forward(model, args: tuple, kwargs: dict) -> None:
         return None
     specs = class_encoders(type(model))
     offline = [s for s in specs if model.slots[s.module].is_released]
-    cached, PLAN[model] = share_forward(model, args, kwargs, offline, [s for s in specs if s not in offline])
+    online = [s for s in specs if s not in offline]
+    planned = window.take(model, args, kwargs, offline, online)  # agreed for the window or `generate` call, or
+    planned = planned if planned is not None else window.in_call(model, args, kwargs, offline, online)  # now
+    cached, PLAN[model] = planned if planned is not None else share_forward(model, args, kwargs, offline, online)
     CACHED[model] = {s.module: in_window(model, s, cached[s.module]) for s in offline}  # on every rank alike
     return None
 

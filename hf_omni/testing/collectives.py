@@ -42,10 +42,12 @@ FUNCTIONAL = {  # `_c10d_functional` op -> share of its input's bytes received, 
 
 
 class ReceivedBytes:
-    """`with ReceivedBytes() as received: ...` then `received.total` (bytes) and `received.by_name`."""
+    """`with ReceivedBytes() as received: ...` then `received.total` (bytes), `received.by_name` and `received.calls`
+    (name -> number of calls). `group`: count only the collectives on that process group (e.g. hf_omni's side
+    group, `dist.checkpoint_group()`); the functional ones are then not counted."""
 
-    def __init__(self):
-        self.total, self.by_name = 0.0, {}
+    def __init__(self, group=None):
+        self.total, self.by_name, self.calls, self.group = 0.0, {}, {}, group
         self._saved, self._local, self._lock = [], threading.local(), threading.Lock()
 
     def __enter__(self) -> "ReceivedBytes":
@@ -60,12 +62,14 @@ class ReceivedBytes:
             for namespace in (c10d, dist):
                 self._saved.append((namespace, name, getattr(namespace, name)))
                 setattr(namespace, name, wrapped)
-        self._mode = _functional_counter(self)
-        self._mode.__enter__()
+        self._mode = _functional_counter(self) if self.group is None else None
+        if self._mode is not None:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(None, None, None)
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
         for namespace, name, original in reversed(self._saved):
             setattr(namespace, name, original)
         self._saved.clear()
@@ -89,12 +93,16 @@ class ReceivedBytes:
             tensors = value if isinstance(value, (list, tuple)) else [value]
             nbytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
             group = bound.get("group") or dist.group.WORLD
+            if self.group is not None and group is not self.group:
+                return fn(*args, **kwargs)
             ranks = dist.get_process_group_ranks(group)
             root = next((bound[k] for k in ROOTS if bound.get(k) is not None), None)
             if root is not None and bound.get("group_src") is None and bound.get("group_dst") is None:
                 root = ranks.index(root) if root in ranks else root
             me = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
             self.add(name, nbytes * share(len(ranks), me, root))
+            with self._lock:
+                self.calls[name] = self.calls.get(name, 0) + 1
             self._local.depth = 1
             try:
                 return fn(*args, **kwargs)

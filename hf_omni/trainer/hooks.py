@@ -16,6 +16,8 @@ TRAINER_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "create_optimizer": (OVERRIDES, ("self", "model")),
     "create_scheduler": (OVERRIDES, ("self", "num_training_steps", "optimizer")),
     "compute_loss": (OVERRIDES, ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    "get_batch_samples": (OVERRIDES, ("self", "epoch_iterator", "num_batches", "device")),
+    "training_step": (OVERRIDES, ("self", "model", "inputs", "num_items_in_batch")),
     "_clip_grad_norm": (OVERRIDES, ("self", "model")),
     "_get_grad_norm": (OVERRIDES, ("self", "model", "grad_norm")),
     "log": (OVERRIDES, ("self", "logs", "start_time")),

@@ -4,12 +4,12 @@ are listed, with the parameters relied on, in `hooks.TRAINER_METHODS` (checked a
 - preparing: `_prepare_for_training` (the plugin wraps each module in place and builds its optimizer and
   scheduler), `create_optimizer` / `create_scheduler` (the plugin's composites), `_move_model_to_device` (meta
   modules stay for the plugin to fill), `evaluate` / `predict` (before `train()`: the modules prepared first);
-- the step: `compute_loss` (label smoothing inside the modules), `_clip_grad_norm` / `_get_grad_norm`, `log`;
+- the step: `get_batch_samples` / `training_step` (the exchange once a window: `step_window.py`), `compute_loss`
+  (label smoothing inside the modules), `_clip_grad_norm` / `_get_grad_norm`, `log`;
 - checkpoints (`hf_omni.checkpoint`): `train` (the newest *complete* checkpoint), `_save_checkpoint` (the marker
   after Trainer's own state), `_load_from_checkpoint` / `_load_optimizer_and_scheduler` / `_load_scaler` (the plugin
   reads them, never a pickle), `_save_rng_state` / `_load_rng_state` (JSON, one per rank), `_load_best_model`;
-- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`); the data: offline-served datasets, their collator, the sampler (`data.py`).
-"""
+- exports and the Hub: `save_model`, `push_to_hub`, `_push_from_checkpoint` (`hub.py`); the data (`data.py`)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from ..hub.cards import write_summary
 from ..offline.serve import ENCODE_ONLY, CachedRows
 from ..plugin import OmniPlugin
 from . import label_smoothing, profile_steps
+from .data import TrainingDataMixin
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
-from .data import TrainingDataMixin
+from .step_window import StepWindowMixin
 
 
-class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
+class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -57,9 +58,8 @@ class OmniTrainer(TrainingDataMixin, HubPushMixin, Trainer):
         for module in model.omni_modules().values():  # Trainer sets `use_cache` on its one model's config
             if hasattr(getattr(module, "config", None), "use_cache"):  # a module of another format may have none
                 module.config.use_cache = args.use_cache
-        # label smoothing inside the modules that compute the loss (label_smoothing.py), not on Trainer's logits
         self.smoothed_losses = label_smoothing.install(model, args.label_smoothing_factor) \
-            if self.label_smoother is not None else []
+            if self.label_smoother is not None else []  # smoothing inside the modules that compute the loss
         self.label_smoother = None
         if args.neftune_noise_alpha is not None:
             model.get_input_embeddings()  # NEFTune's embeddings: ambiguous or missing ones refused now

@@ -11,6 +11,7 @@ import sys
 import helpers
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 from helpers import full_state
 from mesh_scenarios import ELASTIC, SCENARIOS, build
 from held_gradients import sample_after_backward
@@ -19,6 +20,7 @@ from mp_scenarios import sharding_facts
 from hf_omni import OmniTrainer
 from hf_omni.compat import group_timeout
 from hf_omni.dist import checkpoint_group
+from hf_omni.testing.collectives import ReceivedBytes
 from launching import end_distributed
 
 
@@ -43,6 +45,21 @@ def group_timeouts(meshes) -> dict:
     return {key: value.total_seconds() for key, value in seconds.items()}
 
 
+class SideCollectives(TrainerCallback):
+    """Per optimizer step, the collectives `side` counted since the previous step ended (the step's window agreed in
+    `get_batch_samples` before its first micro-step, its forwards, its clipping)."""
+
+    def __init__(self, side: ReceivedBytes):
+        self.side, self.seen, self.steps = side, {}, []
+
+    def on_train_begin(self, args, state, control, **kwargs):  # after the offline caches' encoding
+        self.seen = dict(self.side.calls)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append({k: v - self.seen.get(k, 0) for k, v in self.side.calls.items() if v > self.seen.get(k, 0)})
+        self.seen = dict(self.side.calls)
+
+
 def main(out_dir: str):
     os.environ["HF_OMNI_TEST_SAVED"] = os.path.join(out_dir, "saved")  # empty_init_model: one folder for all ranks
     for name, spec in SCENARIOS.items():
@@ -50,7 +67,10 @@ def main(out_dir: str):
         args = helpers.make_args(os.path.join(out_dir, name), **spec["multi"])
         trainer = OmniTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
         held = sample_after_backward(trainer, model.omni_modules())
-        trainer.train()
+        side = ReceivedBytes(group=checkpoint_group(args.ddp_timeout))  # hf_omni's side group: its collectives
+        trainer.add_callback(per_step := SideCollectives(side))
+        with side:
+            trainer.train()
         meshes = trainer.plugin.meshes
         facts = {
             "world_size": dist.get_world_size(),
@@ -63,6 +83,7 @@ def main(out_dir: str):
             "sharding": sharding_facts(model),
             "held_gradients": held,  # bytes after each micro-step's backward, per module
             "timeouts": group_timeouts(meshes),
+            "side_collectives": per_step.steps,  # per optimizer step: {name: calls} on the side group
         }
         state = full_state(model)
         if dist.get_rank() == 0:

@@ -10,6 +10,8 @@
 - `grouped`: `group_by_modality: true` under a forward that skips the vision tower when its batch has no image (as
   a released model's own forward does; no entry point called), vision sharded: every step's batches have images
   on every rank or on none, and the run ends.
+- `windows`: a loop over OmniPlugin agreeing an accumulation window's exchange with `plugin.agree_window`, then
+  `generate` of the same model (`GenerationMixin`): hf_omni's side-group collectives of each.
 - `fp16`: a loop over OmniPlugin under fp16 compute with torch's CPU GradScaler (the FSDP LLM gathered in fp16, its
   gradients reduced in fp32 into fp32 shards); at step 2 an inf is put into one gradient of the
   replicated projector on rank 1 alone (after DDP's reduction, so no collective carries it): every module on every
@@ -18,6 +20,7 @@
 
 Usage: mp_step.py OUT_DIR -> OUT_DIR/<scenario>-rank<r>.json"""
 
+import contextlib
 import json
 import os
 import sys
@@ -28,10 +31,12 @@ from collective_dtypes import CollectiveDtypes
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from transformers import TrainerCallback
+from transformers import GenerationMixin, TrainerCallback
 
 import hf_omni.offline.missing_modality as missing_modality
 from hf_omni import OmniPlugin, OmniTrainer
+from hf_omni.dist import checkpoint_group
+from hf_omni.testing.collectives import ReceivedBytes
 from hf_omni.testing.host_reads import HostReads
 from launching import end_distributed
 
@@ -200,6 +205,34 @@ def fp16(out_dir: str) -> dict:
             "collectives": sorted(collectives.seen), "shard": str(model.llm.model.layers[0].self_attn.q_proj.weight.dtype)}
 
 
+class GeneratingCaptioner(mixed_modality.MixedCaptioner, GenerationMixin):
+    """The captioner with transformers' `generate` (run without a KV cache: each forward is given every input)."""
+
+
+def windows(out_dir: str) -> dict:
+    """A loop over OmniPlugin: one window of 2 micro-steps (LAYOUT steps 1 and 2: an image on one rank each)
+    agreed with `plugin.agree_window`, then `generate` of 6 tokens with an image on rank 0 only; hf_omni's
+    side-group collectives counted for each."""
+    base = mixed_modality.mixed_model()
+    model = GeneratingCaptioner.from_modules(base.omni_modules(), processors=base.processors)
+    plugin = OmniPlugin(modules=MODULES, defaults={"learning_rate": 1e-3}, output_dir=os.path.join(out_dir, "w"))
+    model, optimizer, _ = plugin.prepare(Accelerator(cpu=True), model, num_training_steps=2)
+    data, rank = mixed_modality.MixedCaptions(model, HAS_IMAGE), dist.get_rank()
+    window = [mixed_modality.collate([data[4 * step + 2 * rank + i] for i in range(2)]) for step in (1, 2)]
+    with ReceivedBytes(group=checkpoint_group()) as agreed:
+        plugin.agree_window(window)
+        for i, batch in enumerate(window):
+            with plugin.no_sync() if i == 0 else contextlib.nullcontext():
+                model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    prompt = {k: v for k, v in window[0].items() if k != "labels"}
+    with ReceivedBytes(group=checkpoint_group()) as generated:
+        out = model.eval().generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False,
+                                    suppress_tokens=[model.processors["llm"].unk_token_id])  # no new image slot
+    return {"window": agreed.calls, "generate": generated.calls, "tokens": out.shape[1] - prompt["input_ids"].shape[1]}
+
+
 def main(out_dir: str):
     dummies = dummies_run()
     results = {"online": train(out_dir, "online", MODULES)}  # its arguments make the process group
@@ -209,6 +242,7 @@ def main(out_dir: str):
     results["offload"] = offload(out_dir)
     results["grouped"] = grouped(out_dir)
     results["fp16"] = fp16(out_dir)
+    results["windows"] = windows(out_dir)
     for name, facts in results.items():
         with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
             json.dump(facts, f)
