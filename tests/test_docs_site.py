@@ -45,3 +45,18 @@ def test_the_versions_page_is_setup_cfg_and_the_constraints():
     with open(compatibility.PAGE) as f:
         written = compatibility.page_table(f.read())
     assert written == compatibility.table(), "docs/compatibility.md is stale: python docs/compatibility.py --write"
+
+
+def test_every_file_the_pages_cite_exists():
+    """A path such as `hf_omni/modules/weights.py`, `bench/scale.py` or `examples/train.py` in the README or a
+    page names a file of the repository."""
+    pages = [os.path.join(ROOT, "README.md")] + [os.path.join(DOCS, n) for n in os.listdir(DOCS) if n.endswith(".md")]
+    missing = []
+    for page in pages:
+        with open(page) as f:
+            text = f.read()
+        for path in set(re.findall(r"\b((?:hf_omni|bench|examples|tests|docs|notebooks)/[\w/.-]+\.(?:py|md|yaml|sh|ipynb))",
+                                   text)):
+            if not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(f"{os.path.basename(page)}: {path}")
+    assert missing == []
