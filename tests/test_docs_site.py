@@ -60,3 +60,13 @@ def test_every_file_the_pages_cite_exists():
             if not os.path.exists(os.path.join(ROOT, path)):
                 missing.append(f"{os.path.basename(page)}: {path}")
     assert missing == []
+
+
+def test_the_refusals_catalogue_is_the_codes_own():
+    spec = importlib.util.spec_from_file_location("errors", os.path.join(DOCS, "errors.py"))
+    errors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(errors)
+    assert len(errors.refusals()) > 50  # the scan finds the raises (it reads every file of hf_omni/)
+    with open(errors.PAGE) as f:
+        written = errors.page_section(f.read())
+    assert written == errors.catalogue(), "docs/troubleshooting.md is stale: python docs/errors.py --write"
