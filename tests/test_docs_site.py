@@ -70,3 +70,11 @@ def test_the_refusals_catalogue_is_the_codes_own():
     with open(errors.PAGE) as f:
         written = errors.page_section(f.read())
     assert written == errors.catalogue(), "docs/troubleshooting.md is stale: python docs/errors.py --write"
+
+
+def test_the_quickstart_page_is_the_notebook():
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(DOCS, "quickstart.py"))
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    with open(quickstart.PAGE) as f:
+        assert f.read() == quickstart.page(), "docs/quickstart.md is stale: python docs/quickstart.py --write"
