@@ -132,3 +132,28 @@ def test_a_conversion_that_is_not_row_by_row_is_left_to_transformers(saved):
     plan.groups = [(k, sources) for k, sources in plan.groups if sources != [names[0]]]  # no group: no trace
     assert row_layout(module, plan, names[0]) is None
     assert row_layout(module, plan_folder(module), "lm_head.weight") is None  # written as is, not derived
+
+
+def test_reading_through_transformers_is_refused_above_the_limit_for_whole_copies(saved, monkeypatch):
+    """Experts the rows cannot serve go through transformers' own loading, a whole copy of the module on every rank:
+    allowed up to `whole.WHOLE_COPY_LIMIT` bytes of module (then read as transformers loads them), refused above
+    it before anything is loaded, naming the module, its size and what to use instead."""
+    from hf_omni.modules import whole
+
+    kind, folder, loaded = saved
+    monkeypatch.setattr(weights, "read_fused_rows", lambda module, folder, names, name: names)  # rows can't serve
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    size = whole.module_bytes(module)
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size - 1)
+    loads = []
+    monkeypatch.setattr(weights, "original_class", lambda module: loads.append(1) or type(module))
+    with pytest.raises(ValueError) as refused:
+        fill_module(module, str(folder), torch.device("cpu"), kind)
+    message = str(refused.value)
+    assert f"module {kind!r}" in message and "through transformers' loading" in message and loads == []
+    assert f"({size / 2**30:.2f} GiB)" in message and "WHOLE_COPY_LIMIT" in message and "empty_init" in message
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size)
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    assert fill_module(module, str(folder), torch.device("cpu"), kind) == [] and loads == [1]
+    for name, tensor in module_tensors(module).items():
+        assert torch.equal(tensor, loaded[name]), (kind, name)

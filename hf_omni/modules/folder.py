@@ -26,6 +26,7 @@ from . import folder_write
 from .ema import export_weights
 from .empty_init import build_empty
 from .folder_plan import plan_folder
+from .whole import check_whole_copy
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -153,6 +154,12 @@ def _export_module(slot, folder: str, merge_lora: bool, is_main_process: bool, m
     lora = lora_config_of(slot.module) is not None
     merge = row_merge_plan(slot.module) if merge_lora and lora else None
     if merge_lora and lora and merge is None:
+        check_whole_copy(slot.module, slot.name, "merging LoRA with PEFT's own merge (an adapter the row-by-row "
+                         "merge does not cover: see `lora.merge`), gathered on the main process with its merged copy,",
+                         "export without `merge_lora` (`merge_lora_on_export: false`; the adapter is written beside "
+                         "the base weights) and merge it with PEFT's `merge_and_unload` on a host with room for the "
+                         "module twice, or use an adapter the row-by-row merge covers (LoRA, rsLoRA or DoRA on Linear "
+                         "layers, one adapter, no `fan_in_fan_out`)")
         state = slot.full_state()
         if is_main_process:
             save_merged(slot.module, folder, state, slot.processor, slot.export_dtype, max_shard_size)

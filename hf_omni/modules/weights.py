@@ -33,6 +33,7 @@ from .expert_rows import read_fused_rows
 from .folder_plan import ADAPTER
 from .safetensors_index import SafetensorsIndex
 from .tensor_layout import file_layout, module_tensors
+from .whole import check_whole_copy
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ def check_shapes(plan: list, module_name: str, folder: str, replicated: bool, ag
 def read_through_transformers(module: nn.Module, folder: str, names: list[str], module_name: str) -> list[str]:
     """The tensors `names` of `module`, from a plain HF folder through transformers' own loading (its key
     conversion on load: merged MoE experts, ...). Costs one full copy of the module on CPU while it runs; used only
-    for tensors the files do not hold as is. Returns the names transformers' model does not have either."""
+    for tensors the files do not hold as is; refused above `whole.WHOLE_COPY_LIMIT`. Returns the names
+    transformers' model does not have either."""
+    check_through_transformers(module, names, module_name)
     dtype = next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
     loaded = original_class(module).from_pretrained(weights_folder(folder), dtype=dtype).state_dict()
     tensors = module_tensors(module)
@@ -113,6 +116,15 @@ def read_through_transformers(module: nn.Module, folder: str, names: list[str], 
     logger.info("hf_omni: module %r: %d tensors read through transformers' loading from %s", module_name,
                 len(names) - len(left), folder)
     return left
+
+
+def check_through_transformers(module: nn.Module, names: list[str], module_name: str) -> None:
+    """`read_through_transformers` of `names` within the limit for whole copies (else the error, with what to do)."""
+    check_whole_copy(module, module_name, f"reading {len(names)} tensors ({', '.join(names[:3])}) through "
+                     "transformers' loading, which the files do not hold as they are,",
+                     "resume from a checkpoint hf_omni wrote (its `state/` keeps them as trained), build the module "
+                     "without `empty_init` (transformers then loads it whole on each rank, as you chose), or raise "
+                     "the limit where every host has room for one copy per rank")
 
 
 @torch.no_grad()
