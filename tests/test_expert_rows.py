@@ -141,7 +141,7 @@ def test_reading_through_transformers_is_refused_above_the_limit_for_whole_copie
     from hf_omni.modules import whole
 
     kind, folder, loaded = saved
-    monkeypatch.setattr(weights, "read_fused_rows", lambda module, folder, names, name: names)  # rows can't serve
+    monkeypatch.setattr(weights, "read_fused_rows", lambda module, folder, names, *rest: names)  # rows can't serve
     module = build_empty(CASES[kind]().__class__, str(folder))
     size = whole.module_bytes(module)
     monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size - 1)

@@ -11,7 +11,8 @@ through transformers' own loading (`read_through_transformers`).
 
 `empty_init` (`fill_module`): a module that will be sharded is sharded first (on meta), then every rank allocates
 its own shards and reads just its box of each tensor (`get_slice`; rows, or columns of a `Shard(1)` tensor): no rank
-holds a full copy, no communication.
+holds a full copy, no communication. A module every rank holds whole (ddp, none) is read in stripes: each rank its
+share of the tensors, dealt by bytes, then one broadcast per tensor (`shards.replicas.stripes`).
 """
 
 from __future__ import annotations
@@ -128,17 +129,19 @@ def check_through_transformers(module: nn.Module, names: list[str], module_name:
 
 
 @torch.no_grad()
-def fill_module(module: nn.Module, folder: str, device: torch.device, module_name: str = "") -> list[str]:
+def fill_module(module: nn.Module, folder: str, device: torch.device, module_name: str = "",
+                replicated: bool = False) -> list[str]:
     """Allocate `module`'s meta tensors on `device` (only the local shards of sharded ones) and read them from the
     HF folder `folder`; returns the names it lacks (initialised by the module instead, with a warning, as
-    `from_pretrained` does)."""
+    `from_pretrained` does). `replicated`: every rank calls this for a module each holds whole: each reads its
+    stripe of the tensors and broadcasts it (`shards.replicas.read_once`)."""
     materialize(module, device)  # tied parameters stay one parameter
     move_buffers(module, device)  # computed buffers (rotary tables) move; persistent ones are read below
-    missing = read_into(module, folder, module_name=module_name)
+    missing = read_into(module, folder, module_name=module_name, replicated=replicated)
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
     if unmapped:
-        unmapped = read_fused_rows(module, folder, unmapped, module_name)
+        unmapped = read_fused_rows(module, folder, unmapped, module_name, replicated)
         missing = [n for n in missing if n in layout] + (read_through_transformers(module, folder, unmapped,
                                                                                    module_name) if unmapped else [])
     params = dict(module.named_parameters())

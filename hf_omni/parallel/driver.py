@@ -3,8 +3,9 @@
     freeze | LoRA -> activation checkpointing    (tuning.py, every module)
     plan: a strategy name per module             (no process group: none everywhere)
     master dtype of what trains                  (modules/precision.py: fp32 masters under bf16 / fp16 compute)
-    read whole what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards (empty_init)
-    -> cast the masters of loaded modules now sharded, on each rank's shares -> each sharding strategy's lazy init
+    read in stripes what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards
+    (empty_init) -> cast the masters of loaded modules now sharded, on each rank's shares -> each sharding
+    strategy's lazy init
 
 A module loaded whole and then sharded gets its fp32 masters after sharding: each rank allocates 1 / world of them
 (P / world, P the module's fp32 bytes) where a cast before would allocate the whole P on every rank. Modules that
@@ -107,9 +108,9 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     meshes = Meshes(device.type, timeout_s)
     shard_later = {slot.name: slot.weights for slot in live  # strategies that shard: on meta, then each its share
                    if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
-    for slot in live:  # empty_init, not sharded: read whole
+    for slot in live:  # empty_init, not sharded: read in stripes (each rank 1 / world of the bytes), broadcast
         if slot.is_pending and slot.name not in shard_later:
-            fill_module(slot.module, slot.weights, device, slot.name)
+            fill_module(slot.module, slot.weights, device, slot.name, replicated=True)
             slot.filled()
     meta_left = bool(shard_later) or len(live) < len(model.slots)
     # placement + autocast; never DDP-wrapped (meta modules are placed by their reading below)
