@@ -31,6 +31,7 @@ from .dist import checkpoint_group, default_group_timeout, has_process_group
 from .errors import OmniArgumentError
 from .modeling import OmniModel
 from .module_bytes import log_bytes_table, module_bytes
+from .modules.folder import check_peft_merge
 from .modules.ownership import check_ownership
 from .offline.serve import serve_from_caches
 from .optim.ema import attach_emas
@@ -163,6 +164,8 @@ class OmniPlugin:
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
         check_ignored_modules(model, self.args)
+        for slot in model.slots.values() if self.args.merge_lora_on_export else ():  # refused now, not at the export
+            check_peft_merge(slot.module, slot.name)
         default_group_timeout(self.args.ddp_timeout)
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,

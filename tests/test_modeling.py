@@ -223,6 +223,26 @@ def test_a_merge_by_peft_is_refused_above_the_limit_for_whole_copies(tmp_path, m
     assert (tmp_path / "merged" / "llm" / "model.safetensors").exists()
 
 
+def test_merge_lora_on_export_that_needs_peft_above_the_limit_is_refused_at_prepare(tmp_path, monkeypatch):
+    """With `merge_lora_on_export: true` the same refusal comes when the modules are prepared (LoRA injected, before
+    any step), not at the first export after training; without it the run prepares."""
+    from accelerate import Accelerator
+
+    from hf_omni import OmniPlugin
+    from hf_omni.modules import whole
+
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", 1000)
+    lora = {"r": 4, "target_modules": ["embed_tokens"], "use_dora": True}
+    for merge in (True, False):
+        plugin = OmniPlugin(modules={"llm": {"lora": lora}}, output_dir=str(tmp_path),
+                            defaults={"merge_lora_on_export": merge})
+        if merge:
+            with pytest.raises(ValueError, match="module 'llm': merging LoRA with PEFT's own merge"):
+                plugin.prepare_modules(Accelerator(cpu=True), tiny_model())
+        else:
+            plugin.prepare_modules(Accelerator(cpu=True), tiny_model())
+
+
 @pytest.mark.parametrize("kind", list(LORA_KINDS))
 def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypatch, kind):
     """Plain LoRA, rsLoRA, DoRA, a LoRA bias, `modules_to_save` and LoRA on an embedding are merged row by row where

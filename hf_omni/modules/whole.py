@@ -12,18 +12,19 @@ from torch import nn
 WHOLE_COPY_LIMIT = 4 * 2**30  # bytes of module (a 1B-parameter module in fp32): 8 ranks of a node hold 32 GiB
 
 
-def module_bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module, dtypes: dict | None = None) -> int:
     """The bytes of `module`'s parameters (tied ones once) and persistent buffers, in full (a DTensor's global
-    size), each in its dtype now (trainable parameters: their master dtype)."""
+    size), each in its dtype now or, by name, in `dtypes` (the dtype a master weight is exported in)."""
     from .tensor_layout import module_tensors
 
-    return sum(t.numel() * t.element_size() for t in module_tensors(module).values())
+    dtypes = dtypes or {}
+    return sum(t.numel() * dtypes.get(n, t.dtype).itemsize for n, t in module_tensors(module).items())
 
 
-def check_whole_copy(module: nn.Module, module_name: str, what: str, instead: str) -> None:
-    """Refuse `what` (a whole copy of `module`) when the module is larger than `WHOLE_COPY_LIMIT`: the error names
-    the module, its size, the limit, and `instead`."""
-    size = module_bytes(module)
+def check_whole_copy(module: nn.Module, module_name: str, what: str, instead: str, dtypes: dict | None = None) -> None:
+    """Refuse `what` (a whole copy of `module`, its tensors in their dtype or `dtypes`'s) when the module is larger
+    than `WHOLE_COPY_LIMIT`: the error names the module, its size, the limit, and `instead`."""
+    size = module_bytes(module, dtypes)
     if size > WHOLE_COPY_LIMIT:
         raise ValueError(f"module {module_name!r}: {what} holds a whole copy of the module ({size / 2**30:.2f} GiB), "
                          f"above hf_omni's limit for whole copies ({WHOLE_COPY_LIMIT / 2**30:.2f} GiB, "
