@@ -50,8 +50,8 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     tensor's own dtype; a sharded tensor reads only this rank's box of it (`shards.box.local_box`: rows, columns).
     Shapes (and integer dtypes) must match: the error names module and tensor. Returns the tensors the files lack
     (`strict`: an error); `skip` are read elsewhere. Under HSDP the first replica reads and sends; `replicated`
-    (every rank calls this for a module every rank holds whole): rank 0 reads and broadcasts
-    (`shards.replicas.read_once`)."""
+    (every rank calls this for a module every rank holds whole): each rank reads its stripe of the tensors and
+    broadcasts it (`shards.replicas.read_once`)."""
     weights = SafetensorsIndex.for_weights(weights_folder(folder))  # a LoRA base written apart: there
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)
