@@ -186,3 +186,27 @@ def test_a_module_every_rank_holds_whole_is_read_in_stripes(four_ranks):
         largest = four_ranks[0]["striped"]["largest"][name]
         assert sum(reads) <= 1.1 * size and max(reads) <= size / 4 + largest, (name, reads, size, largest)
     assert all(rank["striped"]["mismatch"] == [] for rank in four_ranks)
+
+
+def test_stripes_of_a_70b_module_at_512_ranks():
+    """The deal of a module every rank holds whole (`shards.replicas.stripes`, on meta tensors of a Llama-70B's
+    shapes in bf16: 723 tensors, 141 GB): each tensor to one rank, no rank over 1 / world of the bytes plus the
+    largest tensor (2.1 GB, the embedding table), and at 4 ranks within 1% of a quarter each."""
+    import torch
+
+    from hf_omni.shards.replicas import stripes
+
+    hidden, kv, mlp, vocab = 8192, 1024, 28672, 128256
+    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (mlp, hidden), (mlp, hidden),
+             (hidden, mlp), (hidden,), (hidden,)]
+    shapes = [(vocab, hidden), *layer * 80, (hidden,), (vocab, hidden)]
+    tensors = [torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in shapes]
+    sizes = [t.numel() * 2 for t in tensors]
+    total, largest = sum(sizes), max(sizes)
+    assert len(tensors) == 723 and 140e9 < total < 142e9 and largest == vocab * hidden * 2
+    for world, slack in ((512, largest), (4, 0.01 * total / 4)):
+        owners = stripes(tensors, world)
+        loads = [0] * world
+        for owner, size in zip(owners, sizes):
+            loads[owner] += size
+        assert sum(loads) == total and max(loads) <= total / world + slack, (world, max(loads))

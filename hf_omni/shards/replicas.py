@@ -5,8 +5,9 @@ dimensions has its first replica read everything. Plain tensors among them (buff
 read by every rank. A module every rank holds whole (DDP, or not wrapped, read with `replicated`) is read in
 stripes: its tensors dealt to the ranks by bytes (largest first, each to the least loaded rank: no rank reads more
 than 1 / world of the bytes plus one tensor), each rank reads its own, then each tensor is broadcast from its
-reader. For a module replicated nowhere (full shard, one process) nothing changes. A shard is whatever box its `Shard(dim)` placement gives
-(`box.local_box`: rows, columns, ...): the replicas of one shard hold the same box, so it is sent as is.
+reader. For a module replicated nowhere (full shard, one process) nothing changes. A shard is whatever box its
+`Shard(dim)` placement gives (`box.local_box`: rows, columns, ...): the replicas of one shard hold the same box, so
+it is sent as is.
 
 Every rank of a module's mesh must call these with the same tensors in the same order; the readers agree that they
 read before any broadcast, so a reader that fails raises on every rank instead of leaving one waiting.
@@ -59,15 +60,18 @@ def readers(tensors, replicated: bool = False) -> tuple[list[bool], bool]:
 def stripes(tensors, world: int) -> list[int]:
     """The rank that reads each of `tensors` (held whole by every rank): dealt by bytes, largest first, each to the
     least loaded rank (ties: the lowest), so a rank reads at most 1 / world of the bytes plus one tensor."""
-    loads, owners = [0] * world, [0] * len(tensors)
-    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].numel() * tensors[i].element_size()):
-        owners[i] = min(range(world), key=lambda r: loads[r])
-        loads[owners[i]] += tensors[i].numel() * tensors[i].element_size()
+    import heapq
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    loads, owners = [(0, rank) for rank in range(world)], [0] * len(tensors)  # a heap of (bytes dealt, rank)
+    for i in sorted(range(len(tensors)), key=lambda i: -sizes[i]):
+        load, owners[i] = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[i], owners[i]))
     return owners
 
 
 def _whole(tensors, replicated: bool) -> bool:
-    """Every rank holds `tensors` whole (a module under DDP): rank 0 reads them."""
+    """Every rank holds `tensors` whole (a module under DDP): they are read in stripes (`stripes`)."""
     import torch.distributed as dist
 
     return bool(replicated and has_process_group() and dist.get_world_size() > 1 and tensors and
