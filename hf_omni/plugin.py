@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from .arguments.checks import check_before_compute, check_ignored_modules
+from .arguments.checks import check_after_tuning, check_before_compute
 from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
@@ -163,7 +163,7 @@ class OmniPlugin:
         if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
-        check_ignored_modules(model, self.args)
+        check_after_tuning(model, self.args)
         default_group_timeout(self.args.ddp_timeout)
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,

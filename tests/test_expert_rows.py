@@ -159,3 +159,28 @@ def test_experts_the_files_lack_are_initialised_and_named(saved, tmp_path, caplo
     for name, tensor in module_tensors(module).items():
         if name not in lost:
             assert torch.equal(tensor, loaded[name]), (kind, name)
+
+
+def test_reading_through_transformers_is_refused_above_the_limit_for_whole_copies(saved, monkeypatch):
+    """Experts the rows cannot serve go through transformers' own loading, a whole copy of the module on every rank:
+    allowed up to `whole.WHOLE_COPY_LIMIT` bytes of module (then read as transformers loads them), refused above
+    it before anything is loaded, naming the module, its size and what to use instead."""
+    from hf_omni.modules import whole
+
+    kind, folder, loaded = saved
+    monkeypatch.setattr(weights, "read_fused_rows", lambda module, folder, names, *rest: (names, []))  # rows cannot
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    size = whole.module_bytes(module)
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size - 1)
+    loads = []
+    monkeypatch.setattr(weights, "original_class", lambda module: loads.append(1) or type(module))
+    with pytest.raises(ValueError) as refused:
+        fill_module(module, str(folder), torch.device("cpu"), kind)
+    message = str(refused.value)
+    assert f"module {kind!r}" in message and "through transformers' loading" in message and loads == []
+    assert f"({size / 2**30:.2f} GiB)" in message and "WHOLE_COPY_LIMIT" in message and "empty_init" in message
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size)
+    module = build_empty(CASES[kind]().__class__, str(folder))
+    assert fill_module(module, str(folder), torch.device("cpu"), kind) == [] and loads == [1]
+    for name, tensor in module_tensors(module).items():
+        assert torch.equal(tensor, loaded[name]), (kind, name)

@@ -262,3 +262,14 @@ def test_sharded_masters_resume_bitwise_at_two_ranks_and_at_one(two_ranks, tmp_p
     llm_keys = [k for k in saved if k.startswith("llm.")]
     assert llm_keys and all(torch.equal(ours[k], saved[k]) for k in llm_keys)
     assert ours["llm.model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+
+
+def test_a_loaded_module_gets_its_fp32_masters_after_sharding(two_ranks):
+    """The bf16 LLM loaded whole (no `empty_init`) and fully sharded over 2 ranks: each rank allocates fp32 masters
+    for its own shards only (at most half the LLM's fp32 bytes plus one tensor, where a cast before sharding
+    allocates all of them on every rank), and trains to the same state, bitwise, as the `empty_init` run whose files
+    are read straight into the masters."""
+    for rank in two_ranks[1]:
+        loaded = rank["loaded"]
+        assert 0 < loaded["master_bytes"] <= loaded["llm_bytes"] / 2 + loaded["largest"], loaded
+        assert loaded["mismatch"] == [], loaded["mismatch"]

@@ -202,6 +202,47 @@ LORA_KINDS = {  # LoraConfig -> merged row by row (True) or by PEFT on a gathere
 }
 
 
+def test_a_merge_by_peft_is_refused_above_the_limit_for_whole_copies(tmp_path, monkeypatch):
+    """DoRA on an embedding needs PEFT's own merge, on the gathered module beside its merged copy on the main
+    process: allowed up to `whole.WHOLE_COPY_LIMIT` bytes of module, refused above it before anything is gathered
+    or written, naming the module, its size and what to use instead."""
+    from hf_omni.modules import whole
+
+    model = tiny_model().eval()
+    inject_adapter_in_model(LoraConfig(**LORA_KINDS["dora_on_embedding"][0], init_lora_weights=False), model.llm)
+    size = whole.module_bytes(model.llm)
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size - 1)
+    with pytest.raises(ValueError) as refused:
+        model.save_pretrained(tmp_path / "refused", merge_lora=True)
+    message = str(refused.value)
+    assert "module 'llm'" in message and f"({size / 2**30:.2f} GiB)" in message and "WHOLE_COPY_LIMIT" in message
+    assert "merge_lora" in message and "merge_and_unload" in message
+    assert not (tmp_path / "refused" / "llm" / "model.safetensors").exists()
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", size)
+    model.save_pretrained(tmp_path / "merged", merge_lora=True)
+    assert (tmp_path / "merged" / "llm" / "model.safetensors").exists()
+
+
+def test_merge_lora_on_export_that_needs_peft_above_the_limit_is_refused_at_prepare(tmp_path, monkeypatch):
+    """With `merge_lora_on_export: true` the same refusal comes when the modules are prepared (LoRA injected, before
+    any step), not at the first export after training; without it the run prepares."""
+    from accelerate import Accelerator
+
+    from hf_omni import OmniPlugin
+    from hf_omni.modules import whole
+
+    monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", 1000)
+    lora = {"r": 4, "target_modules": ["embed_tokens"], "use_dora": True}
+    for merge in (True, False):
+        plugin = OmniPlugin(modules={"llm": {"lora": lora}}, output_dir=str(tmp_path),
+                            defaults={"merge_lora_on_export": merge})
+        if merge:
+            with pytest.raises(ValueError, match="module 'llm': merging LoRA with PEFT's own merge"):
+                plugin.prepare_modules(Accelerator(cpu=True), tiny_model())
+        else:
+            plugin.prepare_modules(Accelerator(cpu=True), tiny_model())
+
+
 @pytest.mark.parametrize("kind", list(LORA_KINDS))
 def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypatch, kind):
     """Plain LoRA, rsLoRA, DoRA, a LoRA bias, `modules_to_save` and LoRA on an embedding are merged row by row where

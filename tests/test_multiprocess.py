@@ -122,7 +122,8 @@ def test_accumulation_window_keeps_units_gathered_then_reshards(two_rank_results
 
 def test_empty_init_reads_only_each_ranks_shards(two_rank_results):
     """empty_init: the FSDP llm is sharded on the meta device, then each rank reads only its own rows; the
-    unwrapped modules are read whole. Training equals the eager single-rank run (test_two_ranks_equal_one_rank)."""
+    unwrapped modules are read in stripes of whole tensors (each rank its share, then broadcast). Training equals
+    the eager single-rank run (test_two_ranks_equal_one_rank)."""
     facts = two_rank_results["fsdp_empty_init"]["facts"]
     assert facts["wrapped"]["llm"] == "fsdp"
     llm_reads = [r for r in facts["reads"] if r[0].startswith(("model.", "lm_head"))]

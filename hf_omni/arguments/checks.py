@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..diffusion.lora_file import check_lora_components
 from ..dist import has_process_group
 from ..errors import OmniArgumentError
+from ..modules.folder import check_peft_merge
 from ..offline.encoder import check_offline_modules
 from ..tuning.checkpointing import check_checkpointed_modules
 
@@ -56,3 +57,11 @@ def refuse_trained(name: str | None, module, ignored) -> None:
                                 f"({', '.join(trained[:3])}{', ...' if len(trained) > 3 else ''}): FSDP never "
                                 "reduces an ignored module's gradients, so each rank would step its own copy. "
                                 "Freeze those submodules, or leave them out of ignored_modules")
+
+
+def check_after_tuning(model, args) -> None:
+    """After freezing and LoRA, before any wrap or compute: trained submodules among FSDP's `ignored_modules`, and
+    with `merge_lora_on_export` a LoRA merge the export could not do, refused now instead of after training."""
+    check_ignored_modules(model, args)
+    for slot in model.slots.values() if args.merge_lora_on_export else ():
+        check_peft_merge(slot.module, slot.name)

@@ -13,7 +13,7 @@ import os
 
 from ..config import OmniConfig, module_folder
 from ..dist import agreed, checkpoint_group, rank, world_size
-from ..modules.weights import read_into, read_through_transformers
+from ..modules.weights import check_through_transformers, read_into, read_through_transformers
 from . import bases, files, module_state
 
 
@@ -147,6 +147,8 @@ def read_weights(checkpointer, name: str, folder: str, dry_run: bool, masters: d
     lost = [n for n in missing if n not in unmapped]
     if lost:
         raise ValueError(f"module {name!r}: {folder} cannot restore {len(lost)} tensors {lost[:5]}")
+    if missing and dry_run:  # refused above the limit for whole copies before anything is read
+        check_through_transformers(module, missing, name)
     if missing and not dry_run:
         lost = read_through_transformers(module, folder, missing, name)
         if lost:

@@ -122,10 +122,12 @@ def read_rows(tensor, layout: tuple[int, dict[str, Placement]], weights, rows: t
 
 
 @torch.no_grad()
-def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_name: str) -> tuple[list[str], list[str]]:
+def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_name: str,
+                    replicated: bool = False) -> tuple[list[str], list[str]]:
     """The tensors `names` transformers fuses on load (MoE experts), each rank its own rows, read row by row from
-    the files of those rows alone (`expert_rows`). Returns the names whose conversion is not row by row, and the
-    names some of whose rows the files lack (left to be initialised, as `from_pretrained` does)."""
+    the files of those rows alone (`expert_rows`); `replicated`: a module every rank holds whole, each rank reading
+    its stripe (`shards.replicas.read_once`). Returns the names whose conversion is not row by row, and the names
+    some of whose rows the files lack (left to be initialised, as `from_pretrained` does)."""
     plan, tensors = plan_folder(module), module_tensors(module)
     layouts = [(name, row_layout(module, plan, name)) for name in names]
     layouts = [(name, layout) for name, layout in layouts if layout is not None]
@@ -136,6 +138,6 @@ def read_fused_rows(module: nn.Module, folder: str, names: list[str], module_nam
             row_key(key, segment, row) in index for key in placements for row in range(tensors[name].shape[0]))]
         layouts = [(name, layout) for name, layout in layouts if name not in absent]
         read_once([tensors[name] for name, _ in layouts], lambda i: read_rows(
-            tensors[layouts[i][0]], layouts[i][1], index), f"module {module_name!r}: reading {folder}")
+            tensors[layouts[i][0]], layouts[i][1], index), f"module {module_name!r}: reading {folder}", replicated)
     done = {name for name, _ in layouts} | set(absent)
     return [name for name in names if name not in done], absent

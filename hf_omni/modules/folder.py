@@ -26,6 +26,7 @@ from . import folder_write
 from .ema import export_weights
 from .empty_init import build_empty
 from .folder_plan import plan_folder
+from .whole import check_whole_copy
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -59,6 +60,19 @@ def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], 
     folder_write.write_module_folder(merged, folder, plan, processor, solo=True)
     if dtype is not None:  # its own class, and the dtype as loaded (not the live parameters')
         format_of(merged).write_config(merged, folder, dtype)
+
+
+def check_peft_merge(module: nn.Module, module_name: str, dtypes: dict | None = None) -> None:
+    """A LoRA module whose merge needs PEFT's own (`lora.merge.row_merge_plan` is None), within the limit for whole
+    copies (`whole.WHOLE_COPY_LIMIT`; its tensors in the dtypes they are exported in, `dtypes`), else the error."""
+    if lora_config_of(module) is None or row_merge_plan(module) is not None:
+        return
+    check_whole_copy(module, module_name, "merging LoRA with PEFT's own merge (an adapter the row-by-row merge does "
+                     "not cover: see `lora.merge`), gathered on the main process with its merged copy,",
+                     "export without `merge_lora` (`merge_lora_on_export: false`; the adapter is written beside the "
+                     "base weights) and merge it with PEFT's `merge_and_unload` on a host with room for the module "
+                     "twice, or use an adapter the row-by-row merge covers (LoRA, rsLoRA or DoRA on Linear layers, "
+                     "one adapter, no `fan_in_fan_out`)", dtypes)
 
 
 def load_processor(folder: str, kind: str):
@@ -153,6 +167,7 @@ def _export_module(slot, folder: str, merge_lora: bool, is_main_process: bool, m
     lora = lora_config_of(slot.module) is not None
     merge = row_merge_plan(slot.module) if merge_lora and lora else None
     if merge_lora and lora and merge is None:
+        check_peft_merge(slot.module, slot.name, slot.export_dtypes)
         state = slot.full_state()
         if is_main_process:
             save_merged(slot.module, folder, state, slot.processor, slot.export_dtype, max_shard_size)

@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,11 @@ def resolve_master(choice: str, compute: torch.dtype | None) -> torch.dtype | No
 
 
 @torch.no_grad()
-def apply_master_dtype(slot, run_dtype: torch.dtype | None) -> Precision:
-    """Cast `slot`'s trainable parameters to their master dtype in place (before it is placed or wrapped; on the
-    meta device too), with the floating persistent buffers of the layers that own them (BatchNorm's running
-    statistics must match its weight), recording what each was loaded in. Frozen modules are left as they are."""
+def apply_master_dtype(slot, run_dtype: torch.dtype | None, cast: bool = True) -> Precision:
+    """The master dtype of `slot`'s trainable parameters, with the floating persistent buffers of the layers that
+    own them (BatchNorm's running statistics must match its weight), recording what each was loaded in; `cast`:
+    cast them in place now (`cast_masters`; before the module is placed or wrapped, on the meta device too), else
+    the caller casts its shares once it is sharded. Frozen modules are left as they are."""
     margs, module = slot.args, slot.module
     compute = module_compute_dtype(slot, run_dtype)
     if not slot.trains:
@@ -86,7 +88,6 @@ def apply_master_dtype(slot, run_dtype: torch.dtype | None) -> Precision:
         for name, param in trainable.items():
             if param.dtype != master:
                 precision.masters[name] = param.dtype
-                param.data = param.data.to(master)
                 cast_ids.add(id(param))
         for prefix, sub in module.named_modules():
             if not any(id(p) in cast_ids for p in sub.parameters(recurse=False)):
@@ -95,14 +96,15 @@ def apply_master_dtype(slot, run_dtype: torch.dtype | None) -> Precision:
                 if (buf.is_floating_point() and buf.dtype != master
                         and attr not in sub._non_persistent_buffers_set):
                     precision.masters[f"{prefix}.{attr}" if prefix else attr] = buf.dtype
-                    sub._buffers[attr] = buf.to(master)
         named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         dtypes = {id(named[n]): d for n, d in precision.masters.items()}
         precision.loaded = {key: dtypes[id(t)] for key, t in module.state_dict(keep_vars=True).items()
                             if id(t) in dtypes}
         if first is not None and first[0] in precision.masters:
             precision.dtype = first[1]
-    trained = {p.dtype for p in trainable.values()}
+        if cast:
+            cast_masters(module, precision)
+    trained = {precision.master if n in precision.masters else p.dtype for n, p in trainable.items()}
     if torch.bfloat16 in trained or torch.float16 in trained:
         why = "master_dtype: bfloat16" if margs.master_dtype == "bfloat16" else (
             "loaded so, and the run computes in fp32 (master_dtype: auto)")
@@ -110,3 +112,28 @@ def apply_master_dtype(slot, run_dtype: torch.dtype | None) -> Precision:
                        "master_dtype: float32 keeps fp32 masters", slot.name,
                        "/".join(sorted(str(d).removeprefix("torch.") for d in trained)), why)
     return precision
+
+
+@torch.no_grad()
+def cast_masters(module, precision: Precision) -> None:
+    """The tensors `precision.masters` names, in the master dtype, in place. A sharded module (its parameters
+    DTensors, cast after wrapping) casts its local shares only: each rank allocates its 1 / world of the masters,
+    never the whole module; such a parameter keeps its identity (`torch.utils.swap_tensors`: FSDP2's references
+    and tied holders see the cast), and its strategy's lazy init (`Strategy.after_reading`) comes after."""
+    if precision.master is None or not precision.masters:
+        return
+    params = dict(module.named_parameters())
+    for name, param in params.items():
+        if name not in precision.masters or param.dtype == precision.master:
+            continue
+        if hasattr(param, "placements"):  # a DTensor: its local shard cast, the parameter object kept
+            cast = nn.Parameter(param.detach().to(precision.master), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, cast)
+        else:
+            param.data = param.data.to(precision.master)
+    for name in precision.masters:
+        if name in params:
+            continue
+        owner, _, attr = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        sub._buffers[attr] = sub._buffers[attr].to(precision.master)

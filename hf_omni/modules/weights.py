@@ -11,7 +11,8 @@ through transformers' own loading (`read_through_transformers`).
 
 `empty_init` (`fill_module`): a module that will be sharded is sharded first (on meta), then every rank allocates
 its own shards and reads just its box of each tensor (`get_slice`; rows, or columns of a `Shard(1)` tensor): no rank
-holds a full copy, no communication.
+holds a full copy, no communication. A module every rank holds whole (ddp, none) is read in stripes: each rank its
+share of the tensors, dealt by bytes, then one broadcast per tensor (`shards.replicas.stripes`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .expert_rows import read_fused_rows
 from .folder_plan import ADAPTER
 from .safetensors_index import SafetensorsIndex
 from .tensor_layout import file_layout, module_tensors
+from .whole import check_whole_copy
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ def read_into(module: nn.Module, folder: str, strict: bool = False, module_name:
     tensor's own dtype; a sharded tensor reads only this rank's box of it (`shards.box.local_box`: rows, columns).
     Shapes (and integer dtypes) must match: the error names module and tensor. Returns the tensors the files lack
     (`strict`: an error); `skip` are read elsewhere. Under HSDP the first replica reads and sends; `replicated`
-    (every rank calls this for a module every rank holds whole): rank 0 reads and broadcasts
-    (`shards.replicas.read_once`)."""
+    (every rank calls this for a module every rank holds whole): each rank reads its stripe of the tensors and
+    broadcasts it (`shards.replicas.read_once`)."""
     weights = SafetensorsIndex.for_weights(weights_folder(folder))  # a LoRA base written apart: there
     adapter = SafetensorsIndex(folder, [ADAPTER_WEIGHTS]) if has_adapter(folder) else None
     layout = file_layout(module)
@@ -99,7 +101,9 @@ def check_shapes(plan: list, module_name: str, folder: str, replicated: bool, ag
 def read_through_transformers(module: nn.Module, folder: str, names: list[str], module_name: str) -> list[str]:
     """The tensors `names` of `module`, from a plain HF folder through transformers' own loading (its key
     conversion on load: merged MoE experts, ...). Costs one full copy of the module on CPU while it runs; used only
-    for tensors the files do not hold as is. Returns the names transformers' model does not have either."""
+    for tensors the files do not hold as is; refused above `whole.WHOLE_COPY_LIMIT`. Returns the names
+    transformers' model does not have either."""
+    check_through_transformers(module, names, module_name)
     dtype = next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
     loaded = original_class(module).from_pretrained(weights_folder(folder), dtype=dtype).state_dict()
     tensors = module_tensors(module)
@@ -115,18 +119,29 @@ def read_through_transformers(module: nn.Module, folder: str, names: list[str], 
     return left
 
 
+def check_through_transformers(module: nn.Module, names: list[str], module_name: str) -> None:
+    """`read_through_transformers` of `names` within the limit for whole copies (else the error, with what to do)."""
+    check_whole_copy(module, module_name, f"reading {len(names)} tensors ({', '.join(names[:3])}) through "
+                     "transformers' loading, which the files do not hold as they are,",
+                     "resume from a checkpoint hf_omni wrote (its `state/` keeps them as trained), build the module "
+                     "without `empty_init` (transformers then loads it whole on each rank, as you chose), or raise "
+                     "the limit where every host has room for one copy per rank")
+
+
 @torch.no_grad()
-def fill_module(module: nn.Module, folder: str, device: torch.device, module_name: str = "") -> list[str]:
+def fill_module(module: nn.Module, folder: str, device: torch.device, module_name: str = "",
+                replicated: bool = False) -> list[str]:
     """Allocate `module`'s meta tensors on `device` (only the local shards of sharded ones) and read them from the
     HF folder `folder`; returns the names it lacks (initialised by the module instead, with a warning, as
-    `from_pretrained` does)."""
+    `from_pretrained` does). `replicated`: every rank calls this for a module each holds whole: each reads its
+    stripe of the tensors and broadcasts it (`shards.replicas.read_once`)."""
     materialize(module, device)  # tied parameters stay one parameter
     move_buffers(module, device)  # computed buffers (rotary tables) move; persistent ones are read below
-    missing = read_into(module, folder, module_name=module_name)
+    missing = read_into(module, folder, module_name=module_name, replicated=replicated)
     layout = file_layout(module)
     unmapped = [n for n in missing if n not in layout]
     if unmapped:
-        unmapped, absent = read_fused_rows(module, folder, unmapped, module_name)
+        unmapped, absent = read_fused_rows(module, folder, unmapped, module_name, replicated)
         missing = [n for n in missing if n in layout] + absent + (
             read_through_transformers(module, folder, unmapped, module_name) if unmapped else [])
     params = dict(module.named_parameters())

@@ -1,9 +1,16 @@
 """How each module of a composed model is prepared, as named steps in a fixed order (torchtitan style):
 
     freeze | LoRA -> activation checkpointing    (tuning.py, every module)
-    master dtype of what trains                  (modules/precision.py: fp32 masters under bf16 / fp16 compute)
     plan: a strategy name per module             (no process group: none everywhere)
-    read whole what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards (empty_init)
+    master dtype of what trains                  (modules/precision.py: fp32 masters under bf16 / fp16 compute)
+    read in stripes what is not sharded (empty_init) -> place -> apply each strategy in place -> read shards
+    (empty_init) -> cast the masters of loaded modules now sharded, on each rank's shares -> each sharding
+    strategy's lazy init
+
+A module loaded whole and then sharded gets its fp32 masters after sharding: each rank allocates 1 / world of them
+(P / world, P the module's fp32 bytes) where a cast before would allocate the whole P on every rank. Modules that
+are not sharded (ddp, none) hold a whole copy anyway and are cast first; `empty_init` modules are cast on the meta
+device (no memory), so their files are read straight into the masters.
 
 Every refusal that needs the modules (a mesh that does not fit the world, a layout a module cannot take: no
 tensor-parallel plan) comes before anything is placed or wrapped.
@@ -21,7 +28,7 @@ import torch
 
 from ..compat import keep_output_recording
 from ..dist import has_process_group, world_size
-from ..modules.precision import apply_master_dtype, run_compute_dtype
+from ..modules.precision import apply_master_dtype, cast_masters, run_compute_dtype
 from ..modules.slot import ModuleSlot
 from ..modules.weights import fill_module, move_buffers
 from ..tuning.modes import apply_training_mode
@@ -83,10 +90,13 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     model.sync_parts()  # an adopted model: submodules PEFT replaced, into the released model
     live = [slot for slot in model.slots.values() if not slot.is_released]  # offline: on meta for good
     run_dtype = run_compute_dtype(accelerator)
-    for slot in live:  # before anything is read, placed or wrapped (on the meta device too)
-        slot.precision = apply_master_dtype(slot, run_dtype)
     kinds = {slot.name: plan(slot, fsdp_scope) for slot in live}
     scoped = fsdp_scope == "model" and has_process_group()
+    sharded = {slot.name for slot in live  # loaded whole, then sharded: masters cast on each rank's shares only
+               if not slot.is_pending and STRATEGIES["fsdp" if scoped else kinds[slot.name]].shards}
+    for slot in live:  # the others before anything is read, placed or wrapped (on the meta device: no memory)
+        slot.precision = apply_master_dtype(slot, run_dtype, cast=slot.name not in sharded)
+    cast_later = {slot.name for slot in live if slot.name in sharded and slot.precision.masters}
     shapes = {slot.name: mesh_shape(slot.name, slot.args.parallelism, world_size()) for slot in live
               if STRATEGIES[kinds[slot.name]].takes_mesh and not scoped}  # every mesh error before anything is placed
     for slot in live:  # every layout's refusal too (a module without a tensor-parallel plan, ...)
@@ -98,9 +108,9 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
     meshes = Meshes(device.type, timeout_s)
     shard_later = {slot.name: slot.weights for slot in live  # strategies that shard: on meta, then each its share
                    if slot.is_pending and STRATEGIES[kinds[slot.name]].shards and not scoped}
-    for slot in live:  # empty_init, not sharded: read whole
+    for slot in live:  # empty_init, not sharded: read in stripes (each rank 1 / world of the bytes), broadcast
         if slot.is_pending and slot.name not in shard_later:
-            fill_module(slot.module, slot.weights, device, slot.name)
+            fill_module(slot.module, slot.weights, device, slot.name, replicated=True)
             slot.filled()
     meta_left = bool(shard_later) or len(live) < len(model.slots)
     # placement + autocast; never DDP-wrapped (meta modules are placed by their reading below)
@@ -114,6 +124,7 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
         fsdp = STRATEGIES["fsdp"]
         settings = fsdp.parse_settings(None, model_settings)
         strategy = fsdp.for_model(settings, meshes.get(shapes[MODEL_SCOPE]), run_dtype)
+        strategy.lazy_init = not cast_later
         strategy.apply(model, device)
         keep_output_recording(model)
         prepared.strategies.append(strategy)
@@ -123,8 +134,8 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
         for slot in apply_order(live, kinds):  # adopted models: carved-out modules first
             shape = shapes.get(slot.name)
             mesh = meshes.get(shape, dim_names(slot.args.parallelism, len(shape))) if shape else None
-            strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=slot.name not in shard_later,
-                                                               meshes=meshes)
+            later = slot.name in shard_later or slot.name in cast_later
+            strategy = STRATEGIES[kinds[slot.name]].for_module(slot, mesh, lazy_init=not later, meshes=meshes)
             if slot.args.sync_each_batch is not None:
                 strategy.sync_each_batch = slot.args.sync_each_batch
             strategy.apply(slot.module, device)
@@ -140,6 +151,12 @@ def prepare_modules(accelerator, model, *, fsdp_scope: str, model_settings: dict
         fill_module(slot.module, folder, reading, name)
         if reading != device:  # ... and never moves buffers: they stay where compute runs, as after a placed wrap
             move_buffers(slot.module, device)
-    for name in shard_later:  # once all are read: a root's lazy init covers the units nested in it (adopted models)
-        model.slots[name].strategy.after_reading()
+    for name in cast_later:
+        cast_masters(model.slots[name].module, model.slots[name].precision)
+    done = set()  # once all are read and cast: a root's lazy init covers the units nested in it (adopted models)
+    for name in [*shard_later, *cast_later]:
+        strategy = model.slots[name].strategy
+        if id(strategy) not in done:  # (`fsdp_scope: model`: one strategy for every module)
+            done.add(id(strategy))
+            strategy.after_reading()
     return prepared

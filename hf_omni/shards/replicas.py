@@ -2,9 +2,12 @@
 i mod R over the replicate dimension, so the R replicas share the reading — and sent to the others over that
 dimension (one broadcast per tensor), instead of R replicas reading the same rows. A mesh with several replicate
 dimensions has its first replica read everything. Plain tensors among them (buffers, step counts) are small and
-read by every rank. A module every rank holds whole (DDP) is read by rank 0 and broadcast. For a module replicated
-nowhere (full shard, one process) nothing changes. A shard is whatever box its `Shard(dim)` placement gives
-(`box.local_box`: rows, columns, ...): the replicas of one shard hold the same box, so it is sent as is.
+read by every rank. A module every rank holds whole (DDP, or not wrapped, read with `replicated`) is read in
+stripes: its tensors dealt to the ranks by bytes (largest first, each to the least loaded rank: no rank reads more
+than 1 / world of the bytes plus one tensor), each rank reads its own, then each tensor is broadcast from its
+reader. For a module replicated nowhere (full shard, one process) nothing changes. A shard is whatever box its
+`Shard(dim)` placement gives (`box.local_box`: rows, columns, ...): the replicas of one shard hold the same box, so
+it is sent as is.
 
 Every rank of a module's mesh must call these with the same tensors in the same order; the readers agree that they
 read before any broadcast, so a reader that fails raises on every rank instead of leaving one waiting.
@@ -49,12 +52,26 @@ def readers(tensors, replicated: bool = False) -> tuple[list[bool], bool]:
     if replicated_mesh(tensors) is not None:
         return [reads(i, tensor) for i, tensor in enumerate(tensors)], True
     if _whole(tensors, replicated):
-        return [dist.get_rank() == 0] * len(tensors), True
+        owners, rank = stripes(tensors, dist.get_world_size()), dist.get_rank()
+        return [reader == rank for reader in owners], True
     return [True] * len(tensors), False
 
 
+def stripes(tensors, world: int) -> list[int]:
+    """The rank that reads each of `tensors` (held whole by every rank): dealt by bytes, largest first, each to the
+    least loaded rank (ties: the lowest), so a rank reads at most 1 / world of the bytes plus one tensor."""
+    import heapq
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    loads, owners = [(0, rank) for rank in range(world)], [0] * len(tensors)  # a heap of (bytes dealt, rank)
+    for i in sorted(range(len(tensors)), key=lambda i: -sizes[i]):
+        load, owners[i] = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[i], owners[i]))
+    return owners
+
+
 def _whole(tensors, replicated: bool) -> bool:
-    """Every rank holds `tensors` whole (a module under DDP): rank 0 reads them."""
+    """Every rank holds `tensors` whole (a module under DDP): they are read in stripes (`stripes`)."""
     import torch.distributed as dist
 
     return bool(replicated and has_process_group() and dist.get_world_size() > 1 and tensors and
@@ -100,8 +117,8 @@ def share_from_readers(tensors) -> None:
 def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
     """`read(i)` fills `tensors[i]` (only after every check passed: nothing is half-overwritten). Under HSDP each
     tensor's owner replica reads it, the ranks agree that they did, and it sends the others; with `replicated`
-    (every rank calls this for a module held whole on every rank, DDP) rank 0 reads and broadcasts it. Each byte
-    is then read once in all."""
+    (every rank calls this for a module held whole on every rank, DDP) each rank reads its stripe (`stripes`) and
+    broadcasts it. Each byte is then read once in all."""
     import torch.distributed as dist
 
     if replicated_mesh(tensors) is not None:
@@ -114,11 +131,13 @@ def read_once(tensors: list, read, what: str, replicated: bool = False) -> None:
         for i in range(len(tensors)):
             read(i)
         return
+    owners, rank = stripes(tensors, dist.get_world_size()), dist.get_rank()
     with agreed(what, checkpoint_group()):
-        if dist.get_rank() == 0:
-            for i in range(len(tensors)):
+        for i in range(len(tensors)):
+            if owners[i] == rank:
                 read(i)
-    share_from_rank0(tensors)
+    for tensor, reader in zip(tensors, owners):  # one broadcast per tensor, from the rank that read it
+        _broadcast(tensor, dist.group.WORLD, reader)
 
 
 @torch.no_grad()

@@ -3,7 +3,10 @@ with its LLM saved in bf16, built with `empty_init`, the LLM sharded with FSDP2 
 rank: the dtypes FSDP2's collectives carried (parameters gathered in bf16, gradients reduced in fp32), the policy
 applied for each way of writing `fsdp_plugin.mixed_precision`, the dtypes of the local shards and AdamW moments,
 the full state at the step-2 checkpoint, and whether a resume from it in a model with other weights ends bitwise
-equal to the straight run (and how often that resume read and broadcast each module's `state/` DCP metadata).
+equal to the straight run (and how often that resume read and broadcast each module's `state/` DCP metadata); the
+same run from the model loaded whole (no `empty_init`): the bytes of fp32 masters each rank allocated while its
+modules were prepared, and its final state, to compare with the `empty_init` run's (the frozen vision tower aside:
+its pooler is not in its files, so each load initialises it afresh).
 Usage: mp_master_weights.py OUT_DIR"""
 
 import os
@@ -16,6 +19,7 @@ from helpers import full_state, make_args, save_every_rank, tiny_data, tiny_mode
 from transformers import TrainerCallback
 
 from hf_omni import OmniTrainer
+from hf_omni.compat import torch_dispatch_mode
 from hf_omni.testing.digits import Captioner
 from launching import end_distributed
 
@@ -43,8 +47,41 @@ def saved_folder(out_dir: str) -> str:
     return folder
 
 
-def run(folder: str, out: str, mixed_precision=None, seed: int = 0, resume: str | None = None, **overrides):
-    model = Captioner.from_pretrained(folder, empty_init=True)
+class MasterBytes(torch_dispatch_mode()):
+    """Bytes of the float32 tensors cast from bf16 / fp16 ones on this rank while active (a DTensor: its local
+    share)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype in (torch.bfloat16, torch.float16)
+                and out.dtype == torch.float32):
+            local = out.to_local() if hasattr(out, "to_local") else out
+            self.bytes += local.numel() * local.element_size()
+        return out
+
+
+def counting_masters(counter: dict):
+    """Every `OmniPlugin.prepare_modules` from now on adds to `counter["bytes"]` what `MasterBytes` counts."""
+    from hf_omni import OmniPlugin
+
+    original = OmniPlugin.prepare_modules
+
+    def counted(self, *args, **kwargs):
+        with MasterBytes() as cast:
+            out = original(self, *args, **kwargs)
+        counter["bytes"] += cast.bytes
+        return out
+
+    OmniPlugin.prepare_modules = counted
+
+
+def run(folder: str, out: str, mixed_precision=None, seed: int = 0, resume: str | None = None, empty_init=True,
+        **overrides):
+    model = Captioner.from_pretrained(folder, empty_init=empty_init)
     fsdp = {"mixed_precision": mixed_precision} if mixed_precision is not None else {}
     args = dict(bf16=True, learning_rate=LR, max_steps=4, per_device_train_batch_size=4, save_strategy="steps",
                 save_steps=2, modules={"vision": {"trainable": False}, "llm": {"parallel": "fsdp", "fsdp_plugin": fsdp}})
@@ -117,6 +154,14 @@ def main(out_dir: str):
     again = full_state(resumed.model)
     results["resume_mismatch"] = [k for k in final if not torch.equal(final[k], again[k])]
     results["final"] = final
+    cast = {"bytes": 0}
+    counting_masters(cast)
+    loaded, _, _ = run(folder, os.path.join(out_dir, "loaded"), empty_init=False)
+    results["loaded"] = {"master_bytes": cast["bytes"], "mismatch": [k for k, v in full_state(loaded.model).items()
+                                                                     if not k.startswith("vision.")
+                                                                     and not torch.equal(final[k], v)]}
+    trainable = [p.numel() * 4 for p in loaded.model.llm.parameters() if p.requires_grad]  # (DTensors: in full)
+    results["loaded"].update(llm_bytes=sum(trainable), largest=max(trainable))
     save_every_rank(results, os.path.join(out_dir, "results.pt"))
 
 

@@ -6,7 +6,9 @@ Records per rank, during each save, export and load: the bytes received through 
 bytes written (`wchar` of /proc/self/io), hashed (`verify_checkpoint`) and read (the safetensors readers); after them, rank 0 checks
 each module folder against what transformers' own `save_pretrained` writes for the same tensors (file names, keys
 per file, dtypes, shapes) and its values against the gathered state; a resumed run (other initial weights, under full shard) takes
-one more step bitwise equal to the straight run; hf_omni's side groups are counted. Usage: mp_scale.py OUT_DIR"""
+one more step bitwise equal to the straight run; hf_omni's side groups are counted. Then the saved model built with
+`empty_init` with every module whole on every rank (ddp): the bytes each rank read per module while it was filled
+(in stripes). Usage: mp_scale.py OUT_DIR"""
 
 import json
 import os
@@ -303,6 +305,39 @@ def moe_rows(out_dir: str) -> dict:
     return result
 
 
+def striped_fill(out_dir: str) -> dict:
+    """The saved model built with `empty_init` and prepared with every module whole on every rank (ddp; the
+    vision tower frozen, unwrapped): the bytes this rank read for each module while it was filled, each module's
+    file bytes and largest tensor, and on rank 0 whether the filled model equals the saved one, bitwise."""
+    from accelerate import Accelerator
+
+    from hf_omni.parallel import driver
+
+    by_module, fill = {}, driver.fill_module
+
+    def counted(module, folder, device, name="", **kwargs):
+        before = READ["bytes"]
+        out = fill(module, folder, device, name, **kwargs)
+        by_module[name] = READ["bytes"] - before
+        return out
+
+    driver.fill_module = counted
+    modules = {"vision": {"trainable": False}, "projector": {"parallel": "ddp"}, "llm": {"parallel": "ddp"}}
+    plugin = OmniPlugin(modules=modules, defaults={"learning_rate": 1e-3}, output_dir=os.path.join(out_dir, "ddp"))
+    built = Captioner.from_pretrained(SOURCE[0], empty_init=True)
+    result = {"fill": measured(lambda: plugin.prepare_modules(Accelerator(cpu=True), built)), "read": by_module}
+    driver.fill_module = fill
+    source = model().state_dict()
+    result["file_bytes"] = {name: sum(os.path.getsize(os.path.join(SOURCE[0], name, f)) for f in os.listdir(
+        os.path.join(SOURCE[0], name)) if f.endswith(".safetensors")) for name in modules}
+    result["largest"] = {name: max(v.numel() * v.element_size() for k, v in source.items() if k.startswith(name + "."))
+                         for name in modules}
+    state = built.state_dict()
+    result["mismatch"] = [k for k, v in source.items() if not torch.equal(state[k], v)]
+    plugin.close()
+    return result
+
+
 def main(out_dir: str):
     dist.init_process_group("gloo")  # (Accelerate's state takes it over)
     count_side_groups()
@@ -311,6 +346,7 @@ def main(out_dir: str):
     results = {layout: run(layout, out_dir) for layout in LAYOUTS}
     results["lora_merge"] = merged_lora_export(out_dir)
     results["moe_rows"] = moe_rows(out_dir)
+    results["striped"] = striped_fill(out_dir)
     results["side_groups"] = SIDE_GROUPS
     save_every_rank(results, os.path.join(out_dir, "results.json"),
                     lambda everyone, path: open(path, "w").write(json.dumps(everyone, indent=1)))
