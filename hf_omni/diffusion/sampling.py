@@ -25,6 +25,10 @@ def tensorboard_dir(args) -> str:
 
 
 class SampleImagesCallback(TrainerCallback):
+    """Every `every_n_steps` optimizer steps and at the end, the model's pipeline samples `prompts` from `seed`
+    (`pipeline_kwargs` go to the pipeline's call; 2 inference steps unless given): logged to the trackers and
+    written to `<output_dir>/samples/step-<N>/`."""
+
     def __init__(self, prompts: list[str], every_n_steps: int, seed: int = 0, **pipeline_kwargs):
         if not prompts or every_n_steps < 1:
             raise ValueError("SampleImagesCallback: give at least one prompt and every_n_steps >= 1")
