@@ -158,3 +158,113 @@ def test_async_copies_reuse_their_staging_buffers_and_hold_each_saves_values(tmp
         assert torch.equal(written["layers.0.weight"], saved[number])
     plugin.close()
     assert pipeline.staging.buffers == {}
+
+
+def test_masters_and_moe_groups_are_staged_once_off_the_training_thread(tmp_path, monkeypatch):
+    """A bf16 MoE module with fp32 masters, saved async: every tensor the writes read was copied in the save thread
+    into a staging buffer (the experts split per expert for the HF files too: none copied on the training thread),
+    each master weight once (`state/` keeps it in fp32, the HF files its bf16 rounding, cast from the same staged
+    copy), and the files hold what a sync save of the same moment writes."""
+    import threading
+
+    from moe_runs import LLM, LanguageModel, Tokens
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = LanguageModel.from_modules({"llm": MixtralForCausalLM(MixtralConfig(**LLM)).to(torch.bfloat16)})
+    plugin = OmniPlugin(modules={"llm": {"learning_rate": 1e-2, "master_dtype": "float32"}},
+                        defaults={"optim": "adamw_torch", "save_async": True}, output_dir=str(tmp_path / "run"))
+    model, optimizer, scheduler = plugin.prepare(Accelerator(cpu=True), model, num_training_steps=4)
+    batch = next(iter(DataLoader(Tokens(), batch_size=4)))
+    step(model, optimizer, scheduler, batch)
+    copies, copy = [], save_pipeline.copy_to_cpu
+
+    def logged_copy(tensor, into=None, *args):
+        copies.append((threading.current_thread().name, into is not None))
+        return copy(tensor, into, *args)
+
+    monkeypatch.setattr(save_pipeline, "copy_to_cpu", logged_copy)
+    plugin.save_state(str(tmp_path / "async"))
+    plugin.wait_for_save()
+    assert copies and all(name.startswith("hf_omni_save") and into for name, into in copies)  # no buffers here
+    buffers = plugin.checkpointer.pipeline.staging.buffers
+    masters = [name for name, p in model.llm.named_parameters()]
+    assert masters and all(p.dtype == torch.float32 for p in model.llm.parameters())
+    assert all(f"llm/state/tensors.{name}" in buffers for name in masters)
+    staged_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
+    state_bytes = sum(b.numel() * b.element_size() for n, b in buffers.items() if n.startswith("llm/state/"))
+    experts = sum(getattr(model.llm.model.layers[0].mlp.experts, n).numel() * 2 for n in ("gate_up_proj", "down_proj"))
+    assert staged_bytes - state_bytes == experts  # beside state/: the experts alone, split and converted to bf16
+    plugin.save_state(str(tmp_path / "sync"))  # the same moment (no step between), written by the same process
+    plugin.wait_for_save()
+    written, expected = (load_file(str(tmp_path / which / "llm" / "model.safetensors")) for which in ("async", "sync"))
+    assert written.keys() == expected.keys() and any(".experts.0." in k for k in written)
+    for key, value in expected.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(written[key], value), key
+    plugin.close()
+
+
+def test_staging_is_ordered_by_events_never_by_a_device_wide_synchronize():
+    """The copies of an async save wait for an event recorded on the training stream and hand off to the writes by
+    an event recorded after them on the copy stream: nothing in the checkpoint code waits for the whole device or a
+    whole stream (DCP's DefaultStager ends its non-blocking staging in `torch.accelerator.synchronize()`). The CUDA
+    run of these calls is the GPU check of docs/checkpoints.md; here the same code path runs without events."""
+    import pathlib
+
+    import hf_omni.checkpoint as package
+
+    sources = {p.name: p.read_text() for p in pathlib.Path(package.__file__).parent.glob("*.py")}
+    for name, text in sources.items():
+        for waits in ("cuda.synchronize(", "accelerator.synchronize(", "stream.synchronize(", "DefaultStager"):
+            assert waits not in text, (name, waits)
+    assert "copied.synchronize()" in sources["staging.py"] and "wait_event" in sources["staging.py"]
+    stream = save_pipeline.CopyStream()
+    stream.mark()
+    with stream.copying():
+        pass
+    assert stream.cuda == torch.cuda.is_available() and (stream.after is None) != stream.cuda
+
+
+def test_a_writer_process_writes_the_files_holding_no_socket_and_no_group(tmp_path, monkeypatch):
+    """The background writes run in a process of their own (forked at the first async save), not in a thread of the
+    training process: it writes every HF row and every `state/` shard from the shared staging buffers, holds no
+    socket (the training process's gloo and store connections are closed in it: it joins no process group), and a
+    write that fails there names the module's folder, raised at the save's wait."""
+    import os
+    import socket
+
+    import pytest
+
+    from hf_omni.modules import folder_files
+
+    plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=True)
+    batches = list(DataLoader(Batches(8), batch_size=4))
+    step(model, optimizer, scheduler, batches[0])
+    held = socket.socketpair()  # as a process group's connections would be
+    log, write = tmp_path / "writers.txt", folder_files.Files.write
+
+    def logged(self, name, offset, data):  # inherited by the forked writer
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {self.folder}\n")
+        if "broken" in self.folder and "projector" in self.folder:
+            raise OSError(28, "No space left on device", os.path.join(self.folder, name))
+        return write(self, name, offset, data)
+
+    monkeypatch.setattr(folder_files.Files, "write", logged)
+    plugin.save_state(str(tmp_path / "ckpt"))
+    plugin.wait_for_save()
+    writer = plugin.checkpointer.pipeline.writer
+    lines = [line.split() for line in log.read_text().splitlines()]  # (the LoRA base: written once, at once)
+    assert {pid for pid, folder in lines if "/ckpt/" in folder} == {str(writer.pid)} != {str(os.getpid())}
+    shards = list((tmp_path / "ckpt" / "llm" / "state").glob("shard-*.safetensors"))
+    assert shards and all(f.stat().st_size > 0 for f in shards)
+    links = [os.readlink(f"/proc/{writer.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{writer.pid}/fd")]
+    assert links and not any(link.startswith("socket:") for link in links), links
+    step(model, optimizer, scheduler, batches[1])
+    plugin.save_state(str(tmp_path / "broken"))
+    with pytest.raises(Exception, match=r"writing .*broken/projector: OSError: \[Errno 28\] No space left"):
+        plugin.wait_for_save()
+    held[0].close(), held[1].close()
+    plugin.close()
+    assert not os.path.exists(f"/proc/{writer.pid}") or open(f"/proc/{writer.pid}/stat").read().split()[2] == "Z"

@@ -165,8 +165,6 @@ class ModuleCheckpointer:
     def close(self) -> None:
         """Finish the save in flight (marker included), release the staging buffers and the writer thread."""
         self.wait()
-        for state in self.states.values():
-            state.close()
         if self.pipeline is not None:
             self.pipeline.close()
 
