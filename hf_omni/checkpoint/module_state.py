@@ -28,6 +28,7 @@ from ..dist import checkpoint_group
 from ..lora.base import has_fixed_base
 from ..modules.ema import EMA_JSON
 from ..modules.folder_plan import plan_folder
+from ..modules.folder_write import tensor_mesh
 from ..modules.tensor_layout import file_layout, module_tensors
 from ..shards.replicas import load_once
 from .shard_plan import shard_files
@@ -61,13 +62,13 @@ def save_json(value, folder: str, name: str) -> None:
 
 
 def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, pipeline=None, group=None,
-                       ema: dict | None = None) -> None:
+                       ema: dict | None = None, mesh=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
     Async (`pipeline`, `pipeline.SavePipeline`): the pipeline copies them in its thread before the next optimizer
     step, into its staging buffers, reused from one save to the next (a master weight copied once, for `state/`
-    and the HF files alike); the write follows in the same thread, in the
-    same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
-    backend). `ema`: the EMA shadows, beside them."""
+    and the HF files alike); this rank's files are then planned on it alone (`shard_plan`; `group`: the ranks,
+    `mesh`: a tensor-parallel module's whole mesh) and written by the writer process, with no collective.
+    `ema`: the EMA shadows, beside them."""
     import torch.distributed.checkpoint as dcp
 
     state_dir = os.path.join(folder, STATE)
@@ -81,7 +82,7 @@ def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, pipe
 
     def hand_off():  # planned here on this rank alone (`shard_plan`), written by the writer process
         files = [(name, head, [pipeline.staging.ref(t) for t in tensors])
-                 for name, head, tensors in shard_files(staged(), rank, world, WRITER_THREADS)]
+                 for name, head, tensors in shard_files(staged(), rank, world, WRITER_THREADS, mesh)]
         pipeline.hand_off("shards", (state_dir, files))
 
     pipeline.then(hand_off, f"writing {state_dir}")
@@ -238,4 +239,5 @@ class ModuleState:
             raise RuntimeError(f"module {self.slot.name!r}: a checkpoint inside ema_weights() would save the EMA "
                                "weights as the live ones")
         save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), pipeline=pipeline,
-                           group=group, ema=dict(ema.shadows) if ema is not None else None)
+                           group=group, ema=dict(ema.shadows) if ema is not None else None,
+                           mesh=tensor_mesh(self.slot.module) if pipeline is not None else None)

@@ -1,8 +1,8 @@
-"""`SavePipeline`: the one background thread of async saves, and what it may copy late.
+"""`SavePipeline`: the background thread that stages async saves for their writer process, and what it may copy late.
 
-An async save hands every tensor it will write to this thread, which first copies them all (staging), then writes
-them, module after module, in the same order on every rank (its DCP collectives on the checkpoint's own gloo
-group). The loop goes on meanwhile: parameters and optimizer state change only in the optimizer step, so the step
+An async save hands every tensor it will write to this thread, which first copies them all (staging), then hands
+them, module after module, in the same order on every rank, to the rank's writer process (`writer_process`), which
+writes the files while the thread waits (its agreements on the checkpoint's own gloo group). The loop goes on meanwhile: parameters and optimizer state change only in the optimizer step, so the step
 waits for the copies (`fence()`, which `ModuleOptimizers.step` calls) and the copies overlap the next forward and
 backward instead of stalling the loop. Buffers can change in a forward (BatchNorm statistics, DDP's broadcast of
 them): they are copied at once. Tensors that belong to no module (a MoE group converted for the save, a sharded

@@ -48,6 +48,21 @@ class CopyStream:
         copied.synchronize()
 
 
+SHM = "/dev/shm"
+
+
+def sweep() -> None:
+    """Buffer files left in /dev/shm by a process killed between a buffer's allocation and its mapping by the
+    writer (`hf_omni_<pid>_<n>` of a pid that is gone) are removed."""
+    for name in os.listdir(SHM) if os.path.isdir(SHM) else []:
+        if not name.startswith("hf_omni_"):
+            continue
+        pid = name.split("_")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(FileNotFoundError):  # another rank's sweep took it first
+                os.unlink(os.path.join(SHM, name))
+
+
 class Staging:
     """Host buffers by name, kept while a tensor keeps its shape and dtype: an async save's copy of the rank's own
     shards, allocated once (pinned with CUDA: page-locked memory the copy engine writes to directly). `shared`:
@@ -59,6 +74,8 @@ class Staging:
         self.buffers: dict[str, torch.Tensor] = {}
         self._fresh: dict[str, tuple[str, int]] = {}
         self._count, self._by_start = 0, None
+        if shared:
+            sweep()
 
     def buffer(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         local = local_of(tensor)
@@ -75,7 +92,7 @@ class Staging:
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
         nbytes = max(1, math.prod(shape) * dtype.itemsize)
         self._count += 1
-        path = f"/dev/shm/hf_omni_{os.getpid()}_{self._count}"
+        path = f"{SHM}/hf_omni_{os.getpid()}_{self._count}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)

@@ -113,6 +113,17 @@ def serve(requests, replies) -> None:
             return
 
 
+def close_inherited(keep: tuple[int, ...]) -> None:
+    """In the writer: every descriptor inherited from the training process but stdio and `keep` closed, so no
+    socket of its process groups or store stays open here (nor keeps a peer's connection alive)."""
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, gone already
+                continue
+
+
 class WriterError(RuntimeError):
     """A request the writer process failed: its text is the writer's `<type>: <message>`."""
 
@@ -132,8 +143,7 @@ class WriterProcess:
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
                 if os.getppid() != parent:
                     os._exit(0)
-                keep = sorted((child_reads, child_writes))  # no inherited socket (gloo, the store) stays open here
-                os.closerange(3, keep[0]), os.closerange(keep[0] + 1, keep[1]), os.closerange(keep[1] + 1, 65536)
+                close_inherited((child_reads, child_writes))
                 torch.set_num_threads(1)  # no OpenMP pool in a forked child
                 serve(os.fdopen(child_reads, "rb"), os.fdopen(child_writes, "wb"))
             except BaseException:
