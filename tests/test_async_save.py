@@ -268,3 +268,44 @@ def test_a_writer_process_writes_the_files_holding_no_socket_and_no_group(tmp_pa
     held[0].close(), held[1].close()
     plugin.close()
     assert not os.path.exists(f"/proc/{writer.pid}") or open(f"/proc/{writer.pid}/stat").read().split()[2] == "Z"
+
+
+def test_each_rank_plans_its_shards_alone_and_every_chunk_is_written_once():
+    """`state/` shards are planned on each rank without a collective (the writer process joins no group): across the
+    4 ranks of an HSDP mesh (2 replicas x 2 shards) every chunk of every tensor is written by exactly one rank — a
+    replicated shard by one of its replicas, a plain (replicated) tensor by one rank, the load spread by size — and
+    in a tensor-parallel module a norm on `(dp_shard,)` alone, the same on both tp ranks, by one of them."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hf_omni.checkpoint.shard_plan import shard_files
+    from hf_omni.compat import dcp_sharding_info_key, init_fake_process_group
+
+    def written(world, shape, placements, names, full_of=None):
+        out = []
+        for rank in range(world):
+            init_fake_process_group(rank, world)
+            try:
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+                sub = mesh[placements[0]] if isinstance(placements[0], str) else mesh
+                kinds = placements[1:] if isinstance(placements[0], str) else placements
+                state = {"optimizer": {"state": {f"w{i}": {"exp_avg": DTensor.from_local(
+                    torch.zeros(2 + i, 3), sub, kinds, run_check=False)} for i in range(4)}},
+                    "tensors": {f"b{i}": torch.zeros(5 * (i + 1)) for i in range(3)}}
+                for _, head, _ in shard_files(state, rank, world, 2, mesh if full_of else None):
+                    sharding = json.loads(json.loads(head[8:])["__metadata__"][dcp_sharding_info_key()])
+                    out += [(rank, (key, tuple(value["saved_offsets"]))) for key, value in sharding.items()]
+            finally:
+                dist.destroy_process_group()
+        return out
+
+    hsdp = written(4, (2, 2), [Replicate(), Shard(0)], ("dp_replicate", "dp_shard"))
+    chunks = [chunk for _, chunk in hsdp]
+    assert len(chunks) == len(set(chunks)) == 4 * 2 + 3  # 4 tensors x 2 shards, 3 plain tensors: once each
+    assert len({rank for rank, _ in hsdp}) == 4  # spread over every rank
+    tp = written(2, (1, 2), ["dp_shard", Shard(0)], ("dp_shard", "tp"), full_of=True)
+    chunks = [chunk for _, chunk in tp]
+    assert len(chunks) == len(set(chunks)) == 4 + 3 and {rank for rank, _ in tp} == {0, 1}
