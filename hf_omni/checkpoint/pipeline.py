@@ -120,7 +120,7 @@ class SavePipeline:
         """`tensor` (a contiguous view) read from a staged whole copy of its storage, None when there is none."""
         local = local_of(tensor.detach())
         whole = self._whole.get(storage_of(tensor))
-        if whole is None or not local.is_contiguous() or local.dtype != whole[0].dtype:
+        if whole is None or whole[1] is None or not local.is_contiguous() or local.dtype != whole[0].dtype:
             return None
         source, staged = whole
         at = local.storage_offset() - source.storage_offset()
@@ -167,10 +167,10 @@ class SavePipeline:
         self._writes.append((what, write))
 
     def start(self, group=None) -> list[concurrent.futures.Future]:
-        """Run this save's copies, then its writes, in the background; returns their futures. After the copies every
-        rank agrees (on `group`) that every rank copied, so no rank starts a write whose collectives another rank
-        would never join; each write is its own job, so one that fails (rank 0's HF files) does not keep the later
-        ones (every rank's shards, with their collectives) from running."""
+        """Run this save's copies, then its writes (handed to the writer process, forked here at the first save), in
+        the background; returns their futures. After the copies every rank agrees (on `group`) that every rank
+        copied, so every rank writes, or skips every write, alike; each write is its own job, so one that fails
+        (rank 0's HF files) does not keep the later ones (every rank's shards) from running."""
         copies, staged = self._state_copies + self._copies, concurrent.futures.Future()  # whole copies first
         self._staged = staged
         self.stream.mark()  # after everything this save computed on the device (a MoE group's conversion)
