@@ -309,3 +309,23 @@ def test_each_rank_plans_its_shards_alone_and_every_chunk_is_written_once():
     tp = written(2, (1, 2), ["dp_shard", Shard(0)], ("dp_shard", "tp"), full_of=True)
     chunks = [chunk for _, chunk in tp]
     assert len(chunks) == len(set(chunks)) == 4 + 3 and {rank for rank, _ in tp} == {0, 1}
+
+
+def test_a_full_dev_shm_is_a_clear_error_at_the_buffers_allocation(monkeypatch):
+    """The staging buffers are /dev/shm files, their pages reserved when allocated: a /dev/shm too small for them
+    (a container's default 64 MB) is an OSError naming the buffer and `--shm-size`, not a SIGBUS at the copy."""
+    import errno
+    import os
+
+    import pytest
+
+    from hf_omni.checkpoint import staging
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    held = staging.Staging(shared=True)
+    with pytest.raises(OSError, match=r"cannot hold the 4000 bytes staging 'llm/state/w' .*--shm-size.*No space"):
+        held.buffer("llm/state/w", torch.zeros(1000))
+    assert not [n for n in os.listdir(staging.SHM) if n.startswith(f"hf_omni_{os.getpid()}_")]

@@ -94,8 +94,12 @@ class Staging:
         self._count += 1
         path = f"{SHM}/hf_omni_{os.getpid()}_{self._count}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
+        try:  # pages reserved now: a full /dev/shm is an OSError here, not a SIGBUS at the copy
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            os.unlink(path)
+            raise OSError(err.errno, f"{SHM} cannot hold the {nbytes} bytes staging {name!r} of an async save (a "
+                                     f"container's /dev/shm: --shm-size): {err.strerror}") from None
         finally:
             os.close(fd)
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
