@@ -1,5 +1,6 @@
-"""A rank's `state/` shard files planned on the rank alone: what `ShardWriter` writes under `dcp.save`, without
-DCP's collectives (so the writer process needs no process group).
+"""A rank's `state/` shard files of an async save, planned on the rank alone (no collective, no process group).
+
+They are what `ShardWriter` writes under `dcp.save`, without DCP's collectives, so the writer process needs no group.
 
 DCP's own planner (`DefaultSavePlanner.create_local_plan`, no collective) lists this rank's write items: a DTensor's
 local shard with its global offsets, a plain tensor whole. DCP's global step would then write each plain tensor

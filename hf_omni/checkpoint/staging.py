@@ -1,4 +1,4 @@
-"""Host copies of an async save, in buffers reused from save to save, filled on a copy stream of their own.
+"""Host copies of an async save, in shared buffers reused from save to save, filled on a copy stream of their own.
 
 The buffers are pinned when a GPU is there; the copy stream starts after the optimizer step (an event recorded on
 the training stream when `save_state` has issued its device work), so the copies overlap the next forward and backward instead of queueing
