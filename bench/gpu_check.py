@@ -24,6 +24,7 @@ import math
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import torch

@@ -137,6 +137,7 @@ ALLOWED_PRIVATE = {
     "_to_copy": "an ATen operator's name (torch.ops.aten), not a Python internal",
     "_getframe": "the standard library's sys._getframe",
     "_fields": "a namedtuple's documented field list",
+    "_exit": "the standard library's os._exit (a forked child's documented way out)",
 }
 # config.json / model_index.json keys as strings (the on-disk formats), never attributes
 CONFIG_KEYS = {"_name_or_path", "_commit_hash", "_class_name", "_diffusers_version", "_use_default_values",

@@ -53,7 +53,7 @@ class OmniTrainingArguments(TrainingArguments):
     grad_clip_scope: str = field(
         default="per_module", metadata={"help": "per_module: each module to its own max_grad_norm | global."})
     save_async: bool = field(default=False, metadata={
-        "help": "Save checkpoints in a background thread; the loop waits only for the copies of what changes."})
+        "help": "Save checkpoints in the background (a writer process per rank); the loop waits only for the copies of what changes."})
     verify_checkpoint: bool = field(default=False, metadata={
         "help": "Record every checkpoint file's sha256 in its marker, and check them before resuming."})
     merge_lora_on_export: bool = field(default=False, metadata={"help": "Merge LoRA into plain weights on export."})

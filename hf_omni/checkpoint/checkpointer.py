@@ -41,10 +41,10 @@ class ModuleCheckpointer:
         for slot in model.slots.values():
             slot.checkpoint = module_state.ModuleState(slot)
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
-        self.pipeline = SavePipeline() if save_async else None  # the one background thread of async saves
+        self.pipeline = SavePipeline() if save_async else None  # async saves: staging thread + writer process
         self._exit_hook = False
         self.group = checkpoint_group(timeout_s)  # every step one rank does alone ends in an agreement on it
-        self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the writer thread's
+        self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the staging thread's
         self.on_marked = None  # called with a checkpoint's folder on rank 0 once its marker is written (Hub push)
         self.bases: dict[str, Base] = {}  # LoRA bases this run's checkpoints refer to (written once, or resumed)
 
@@ -163,10 +163,8 @@ class ModuleCheckpointer:
             self.on_marked(directory)
 
     def close(self) -> None:
-        """Finish the save in flight (marker included), release the staging buffers and the writer thread."""
+        """Finish the save in flight (marker included), release the staging buffers, the thread and the writer process."""
         self.wait()
-        for state in self.states.values():
-            state.close()
         if self.pipeline is not None:
             self.pipeline.close()
 

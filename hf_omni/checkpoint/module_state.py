@@ -22,13 +22,16 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..dist import checkpoint_group
 from ..lora.base import has_fixed_base
 from ..modules.ema import EMA_JSON
 from ..modules.folder_plan import plan_folder
+from ..modules.folder_write import tensor_mesh
 from ..modules.tensor_layout import file_layout, module_tensors
 from ..shards.replicas import load_once
+from .shard_plan import shard_files
 from .shard_reader import ShardReader
 from .shard_writer import ShardWriter
 from .state_json import json_value, like
@@ -37,16 +40,6 @@ STATE = "state"
 OPTIMIZER = "optimizer.json"
 SCHEDULER = "scheduler.json"
 logger = logging.getLogger("hf_omni")
-
-
-def make_stager():
-    """A DCP stager for async saves, kept per module: it copies the state before the next optimizer step changes
-    it, into buffers it reuses from one save to the next (no fresh allocation on every save)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=gpu))
 
 
 WRITER_THREADS = 2  # files (and threads) per rank and module: bench/checkpoint.py measured 1, 2 and 4
@@ -68,13 +61,14 @@ def save_json(value, folder: str, name: str) -> None:
         json.dump(value, f)
 
 
-def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stager=None, pipeline=None,
-                       group=None, ema: dict | None = None) -> None:
+def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, pipeline=None, group=None,
+                       ema: dict | None = None, mesh=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
-    Async (`pipeline`, `pipeline.SavePipeline`): `stager` copies them in the pipeline's thread before the next
-    optimizer step, into buffers it reuses from one save to the next; the write follows in the same thread, in the
-    same order on every rank, its collectives on `group` alone (a gloo group: CPU tensors under any training
-    backend). `ema`: the EMA shadows, beside them."""
+    Async (`pipeline`, `pipeline.SavePipeline`): the pipeline copies them in its thread before the next optimizer
+    step, into its staging buffers, reused from one save to the next (a master weight copied once, for `state/`
+    and the HF files alike); this rank's files are then planned on it alone (`shard_plan`; `group`: the ranks,
+    `mesh`: a tensor-parallel module's whole mesh) and written by the writer process, with no collective.
+    `ema`: the EMA shadows, beside them."""
     import torch.distributed.checkpoint as dcp
 
     state_dir = os.path.join(folder, STATE)
@@ -83,9 +77,15 @@ def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, stag
     if pipeline is None:
         dcp.save(state, storage_writer=_writer(state_dir))
         return
-    staged = pipeline.stage(stager, state)
-    pipeline.then(lambda: dcp.save(staged(), storage_writer=_writer(state_dir), process_group=group),
-                  f"writing {state_dir}")
+    staged = pipeline.stage(state, prefix=f"{os.path.basename(folder)}/{STATE}/")
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+    def hand_off():  # planned here on this rank alone (`shard_plan`), written by the writer process
+        files = [(name, head, [pipeline.staging.ref(t) for t in tensors])
+                 for name, head, tensors in shard_files(staged(), rank, world, WRITER_THREADS, mesh)]
+        pipeline.hand_off("shards", (state_dir, files))
+
+    pipeline.then(hand_off, f"writing {state_dir}")
 
 
 def save_scheduler(state: dict, folder: str) -> None:
@@ -187,14 +187,13 @@ def read_optimizer_state(folder: str, template: dict, saved: dict, tensors: dict
 class ModuleState:
     """One trainable module's `state/` as the checkpointer keeps it between saves: which of its tensors the HF
     files cannot serve (`unmapped`: not in them as is, worked out once; `masters`: master weights the files hold
-    rounded to the dtype they were loaded in) and, for async saves, the stager whose buffers are reused."""
+    rounded to the dtype they were loaded in)."""
 
     def __init__(self, slot):
         self.slot = slot
         self._unmapped: frozenset[str] | None = None
         self._plan = None
         self._fixed_base: bool | None = None
-        self.stager = None
 
     @property
     def plan(self):
@@ -235,16 +234,10 @@ class ModuleState:
 
     def save_tensors(self, folder: str, optimizer_tensors: dict, pipeline=None, group=None) -> None:
         """The optimizer's tensors and the unmapped ones, every rank its own shards (`save_state_tensors`)."""
-        if pipeline is not None and self.stager is None:
-            self.stager = make_stager()
         ema = self.slot.ema
         if ema is not None and ema.swapped:
             raise RuntimeError(f"module {self.slot.name!r}: a checkpoint inside ema_weights() would save the EMA "
                                "weights as the live ones")
-        save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), stager=self.stager, pipeline=pipeline,
-                           group=group, ema=dict(ema.shadows) if ema is not None else None)
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+        save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), pipeline=pipeline,
+                           group=group, ema=dict(ema.shadows) if ema is not None else None,
+                           mesh=tensor_mesh(self.slot.module) if pipeline is not None else None)

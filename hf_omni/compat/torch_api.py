@@ -69,6 +69,15 @@ def dcp_shard_index(plan) -> int:
     return plan.storage_data["shard_index"]
 
 
+def dtensor_over(tensor, local: torch.Tensor):
+    """A DTensor of `tensor`'s mesh, placements and global shape over `local` where it lies (a host copy of its
+    shard: `DTensor.from_local` would move it to the mesh's device); what DCP plans a write from."""
+    from torch.distributed.tensor import DTensor
+
+    resolve("torch.distributed.tensor.DTensor._spec")
+    return DTensor(local, tensor._spec, requires_grad=False)
+
+
 def in_place_wrapper_classes() -> tuple[type, ...]:
     """The classes FSDP2 and composable replicate mix into a module's generated subclass."""
     from torch.distributed.fsdp import FSDPModule

@@ -150,7 +150,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
     `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
-    groups are gathered and converted now. `solo`: the calling process writes every file alone (a module with no
+    groups are gathered and converted now (on the device), copied to the host in its thread too. `solo`: the calling process writes every file alone (a module with no
     sharded tensor, saved by one rank). `merge` (`lora.merge.row_merge_plan`, with a `merged` plan): each LoRA
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
     is written apart, `lora.base`). `main_only`: tensors the main process writes alone (only it holds them: an
@@ -189,4 +189,14 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         return write([values for _, _, values, _ in jobs], files)
     staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)},
                                prefix=os.path.basename(folder) + "/")
-    pipeline.then(lambda: write([staged()[str(i)] for i in range(len(jobs))], Files(folder)), f"writing {folder}")
+
+    def hand_off():  # the small files here, the headers and rows by the writer process
+        os.makedirs(folder, exist_ok=True)
+        if main:
+            write_metadata(module, folder, plan, processor, dtype, base)
+        heads = [(name, 0, bytes(head)) for name, head in plan.files.items()] if main else []
+        rows = [(name, offset, pipeline.staging.ref(staged()[str(i)]), str(target))
+                for i, (name, offset, _, target) in enumerate(jobs)]
+        pipeline.hand_off("folder", (folder, heads, rows))
+
+    pipeline.then(hand_off, f"writing {folder}")

@@ -22,7 +22,7 @@ import hf_omni.checkpoint.files as files
 import hf_omni.checkpoint.marker as marker
 import hf_omni.checkpoint.module_state as module_state
 import hf_omni.checkpoint.pipeline as save_pipeline
-import hf_omni.checkpoint.shard_writer as shard_writer
+import hf_omni.checkpoint.writer_process as writer_process
 import hf_omni.cli
 import hf_omni.modules.folder_write as module_io
 from hf_omni.checkpoint.checkpointer import ModuleCheckpointer
@@ -33,6 +33,9 @@ torch.set_num_threads(1)
 
 
 def die():
+    """SIGKILL the run: in the writer process of an async save, its parent (the training process) first."""
+    if writer_process.IN_WRITER:
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -145,12 +148,12 @@ POINTS = {
         lambda: kill_on_call(module_io, "write_module_folder", lambda c, a: "frozen" in str(a)), {}),
     # the LoRA base (written once, at the first save): its files written, its marker not yet
     "lora_base_before_marker": (lambda: kill_on_call(bases, "write_marker", lambda c, a: "frozen" in str(a[0])), {}),
-    "async_in_flight": (lambda: kill_on_call(module_io.Files, "write",  # in the writer thread
+    "async_in_flight": (lambda: kill_on_call(module_io.Files, "write",  # in the writer process
                                              lambda call, args: "checkpoint-10" in args[0].folder),
                         {"save_async": True}),
     "async_staging": (in_writer_thread_of_ckpt10, {"save_async": True}),
-    "async_shards_in_flight": (lambda: kill_on_call(shard_writer.ShardWriter, "write_data",
-                                                    lambda call, args: "checkpoint-10" in str(args[0].path)),
+    "async_shards_in_flight": (lambda: kill_on_call(writer_process, "write_shard_file",  # in the writer process
+                                                    lambda call, args: "checkpoint-10" in str(args[0])),
                                {"save_async": True}),
     "async_before_marker": (lambda: kill_on_call(marker, "write_marker", at_ckpt10), {"save_async": True}),
 }

@@ -3,7 +3,7 @@ an 8 MB LLM (tensors up to 1 MiB), trained one step through OmniPlugin, saved, r
 (LLM full shard over 4 with a replicated (DDP) vision tower; LLM HSDP 2 x 2 with the vision tower full shard, built
 with `empty_init` from a saved folder).
 Records per rank, during each save, export and load: the bytes received through collectives (`ReceivedBytes`), the
-bytes written (`wchar` of /proc/self/io), hashed (`verify_checkpoint`) and read (the safetensors readers); after them, rank 0 checks
+bytes written (`wchar` of /proc/<pid>/io, the rank's process and its writer process), hashed (`verify_checkpoint`) and read (the safetensors readers); after them, rank 0 checks
 each module folder against what transformers' own `save_pretrained` writes for the same tensors (file names, keys
 per file, dtypes, shapes) and its values against the gathered state; a resumed run (other initial weights, under full shard) takes
 one more step bitwise equal to the straight run; hf_omni's side groups are counted. Then the saved model built with
@@ -100,9 +100,18 @@ def count_opens() -> None:
     safetensors.safe_open = counted
 
 
-def written() -> int:
-    with open("/proc/self/io") as f:
+def wchar(pid: str) -> int:
+    with open(f"/proc/{pid}/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def written() -> int:
+    """Bytes written by this rank: its process and its children (the writer process of its async saves)."""
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            children += f.read().split()
+    return wchar("self") + sum(wchar(pid) for pid in children)
 
 
 def measured(fn) -> dict:
