@@ -11,8 +11,9 @@ keeps fp32 masters whenever the run computes in lower precision, and computes in
     master_dtype: float32    fp32 always
     master_dtype: bfloat16   bf16 (pure-bf16 training: updates below bf16's spacing are lost; said once in the log)
 
-Only trainable parameters change dtype: frozen modules, frozen parts (LoRA bases) and buffers keep theirs; LoRA
-adapters follow `master_dtype`. What a module exports (`save_pretrained`, a checkpoint's HF folder) stays in the
+Only trainable parameters change dtype, with the floating persistent buffers of the layers that own them
+(BatchNorm's running statistics must match its weight): frozen modules, frozen parts (LoRA bases) and other
+buffers keep theirs; LoRA adapters follow `master_dtype`. What a module exports (`save_pretrained`, a checkpoint's HF folder) stays in the
 dtype each tensor was loaded in (what users serve); a checkpoint keeps the masters beside the optimizer state, in
 `state/`, so a resume is bitwise.
 """
