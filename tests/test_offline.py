@@ -137,7 +137,7 @@ def test_empty_init_module_is_read_only_to_encode(tmp_path, monkeypatch):
     tiny_model().save_pretrained(str(tmp_path / "init"))
     fills, original = [], weights.fill_module
     for user in (serve, driver):  # where modules are read: for encoding, and when prepared
-        monkeypatch.setattr(user, "fill_module", lambda m, f, d, name: fills.append(name) or original(m, f, d, name))
+        monkeypatch.setattr(user, "fill_module", lambda m, f, d, name, **k: fills.append(name) or original(m, f, d, name, **k))
     for run in ("first", "second"):
         model = Captioner.from_pretrained(str(tmp_path / "init"), empty_init=True)
         trainer(tmp_path / run, model, offline_modules=["vision"],

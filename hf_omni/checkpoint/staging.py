@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import secrets
 import os
 
 import torch
@@ -53,7 +54,7 @@ SHM = "/dev/shm"
 
 def sweep() -> None:
     """Buffer files left in /dev/shm by a process killed between a buffer's allocation and its mapping by the
-    writer (`hf_omni_<pid>_<n>` of a pid that is gone) are removed."""
+    writer (`hf_omni_<pid>_<n>_<random>` of a pid that is gone) are removed."""
     for name in os.listdir(SHM) if os.path.isdir(SHM) else []:
         if not name.startswith("hf_omni_"):
             continue
@@ -92,7 +93,7 @@ class Staging:
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
         nbytes = max(1, math.prod(shape) * dtype.itemsize)
         self._count += 1
-        path = f"{SHM}/hf_omni_{os.getpid()}_{self._count}"
+        path = f"{SHM}/hf_omni_{os.getpid()}_{self._count}_{secrets.token_hex(4)}"  # a reused pid's leftover: no clash
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:  # pages reserved now: a full /dev/shm is an OSError here, not a SIGBUS at the copy
             os.posix_fallocate(fd, 0, nbytes)

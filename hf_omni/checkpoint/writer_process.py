@@ -1,7 +1,7 @@
 """`WriterProcess`: the process that writes an async save's files, so that the training process only stages.
 
 One per rank, forked from the training process's main thread at its first async save. It shares no process group
-and opens no socket: it talks to its parent over two pipes (pickled plain data: file names, offsets, buffer names),
+and opens no socket: it talks to its parent over two pipes (JSON lines of plain data: file names, offsets, buffer names; nothing pickled),
 and reads the tensors from the parent's staging buffers, which are shared memory (`staging.Staging`: each buffer
 a file in /dev/shm mapped by both, its name sent once, unlinked once both mapped it; reused from save to save, so a
 save sends nothing per tensor beyond its buffer name and offset). It writes what the parent planned: an HF folder's
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
+import base64
+import json
 import signal
 import threading
 import traceback
@@ -77,6 +78,35 @@ def write_shards(buffers: dict, state_dir: str, files: list) -> None:
                                                      [ref_view(buffers, r) for r in f[2]]), files))
 
 
+def _encode(value):
+    if isinstance(value, bytes):
+        return {"bytes": base64.b64encode(value).decode()}
+    if isinstance(value, (list, tuple, torch.Size)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        return base64.b64decode(value["bytes"])
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def send(stream, message) -> None:
+    """One message on a pipe: a JSON line (bytes as base64), so neither end ever unpickles what the other sent."""
+    stream.write(json.dumps(_encode(message)).encode() + b"\n")
+    stream.flush()
+
+
+def receive(stream):
+    line = stream.readline()
+    if not line:
+        raise EOFError("the pipe closed")
+    return _decode(json.loads(line))
+
+
 class _Failed(Exception):
     """A request that failed in the writer (its text goes back to the parent)."""
 
@@ -99,7 +129,7 @@ def serve(requests, replies) -> None:
     buffers: dict[str, torch.Tensor] = {}
     while True:
         try:
-            kind, number, payload = pickle.load(requests)
+            kind, number, payload = receive(requests)
         except EOFError:
             return
         error = None
@@ -107,8 +137,7 @@ def serve(requests, replies) -> None:
             _run(kind, payload, buffers)
         except _Failed as failed:
             error = str(failed)
-        pickle.dump((number, error), replies)
-        replies.flush()
+        send(replies, (number, error))
         if kind == "stop":
             return
 
@@ -161,9 +190,8 @@ class WriterProcess:
         with self.lock:
             self.number += 1
             try:
-                pickle.dump((kind, self.number, payload), self.requests)
-                self.requests.flush()
-                number, error = pickle.load(self.replies)
+                send(self.requests, (kind, self.number, payload))
+                number, error = receive(self.replies)
             except (EOFError, BrokenPipeError, OSError) as err:
                 raise WriterError(f"the writer process (pid {self.pid}) died: {self.status()}") from err
         if error is not None:
