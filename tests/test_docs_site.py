@@ -6,6 +6,8 @@ import importlib.util
 import os
 import re
 
+import pytest
+
 import hf_omni
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,24 +31,6 @@ def test_the_api_reference_documents_every_public_name():
     assert sorted(documented) == sorted(hf_omni.__all__)
 
 
-def test_the_cli_reference_is_the_parsers_help():
-    spec = importlib.util.spec_from_file_location("cli_reference", os.path.join(DOCS, "cli_reference.py"))
-    cli_reference = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli_reference)
-    with open(cli_reference.PAGE) as f:
-        written = cli_reference.page_section(f.read())
-    assert written == cli_reference.section(), "docs/cli.md is stale: python docs/cli_reference.py --write"
-
-
-def test_the_versions_page_is_setup_cfg_and_the_constraints():
-    spec = importlib.util.spec_from_file_location("compatibility", os.path.join(DOCS, "compatibility.py"))
-    compatibility = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compatibility)
-    with open(compatibility.PAGE) as f:
-        written = compatibility.page_table(f.read())
-    assert written == compatibility.table(), "docs/compatibility.md is stale: python docs/compatibility.py --write"
-
-
 def test_every_file_the_pages_cite_exists():
     """A path such as `hf_omni/modules/weights.py`, `bench/scale.py` or `examples/train.py` in the README or a
     page names a file of the repository."""
@@ -62,19 +46,28 @@ def test_every_file_the_pages_cite_exists():
     assert missing == []
 
 
-def test_the_refusals_catalogue_is_the_codes_own():
-    spec = importlib.util.spec_from_file_location("errors", os.path.join(DOCS, "errors.py"))
-    errors = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(errors)
-    assert len(errors.refusals()) > 50  # the scan finds the raises (it reads every file of hf_omni/)
-    with open(errors.PAGE) as f:
-        written = errors.page_section(f.read())
-    assert written == errors.catalogue(), "docs/troubleshooting.md is stale: python docs/errors.py --write"
+def generator(name: str):
+    """docs/<name>.py, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(DOCS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, make", [("cli_reference", "section"), ("compatibility", "table"),
+                                        ("errors", "catalogue")])
+def test_each_generated_section_is_what_its_generator_prints(name, make):
+    """The CLI reference is the parser's own help, the versions page setup.cfg and both constraints files, the
+    refusals catalogue every raise in hf_omni/ (the scan finds more than 50)."""
+    module = generator(name)
+    with open(module.PAGE) as f:
+        written = module.generated.section(f.read(), module.BEGIN, module.END)
+    assert written == getattr(module, make)(), f"{module.PAGE} is stale: python docs/{name}.py --write"
+    if name == "errors":
+        assert len(module.refusals()) > 50
 
 
 def test_the_quickstart_page_is_the_notebook():
-    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(DOCS, "quickstart.py"))
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
+    quickstart = generator("quickstart")
     with open(quickstart.PAGE) as f:
         assert f.read() == quickstart.page(), "docs/quickstart.md is stale: python docs/quickstart.py --write"
