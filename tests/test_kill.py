@@ -1,4 +1,4 @@
-"""Crash safety: SIGKILL at 20 points of training (forward, backward, optimizer step), sync saving (each file kind, the
+"""Crash safety: SIGKILL at 21 points of training (forward, backward, optimizer step), sync saving (each file kind, the
 marker's temp file and rename), async saving (background copies, HF files, shards, before the marker) and rotation, then
 `resume_from_checkpoint=True` (tests/scripts/kill_points.py, one process tree): every run resumes from the newest
 complete checkpoint and ends with the uninterrupted run's weights, bitwise; every checkpoint with a marker passes
