@@ -1,13 +1,16 @@
 """Fine-tune a released LLaVA checkpoint as it is, per module, and give it back in LLaVA's own format.
 
-    python examples/adopt_llava.py examples/configs/adopt_llava.yaml
+    python examples/adopt_llava.py examples/configs/adopt_llava.yaml [--key value ...]
+
+(`--save_strategy steps --save_steps 200` writes checkpoints; `--resume_from_checkpoint runs/adopt_llava/checkpoint-400`
+continues from one.)
 
 The "release" is a tiny `LlavaForConditionalGeneration` written once to `runs/tiny-llava-release/` (nothing is
 downloaded: a stand-in for `llava-hf/llava-1.5-7b-hf`, with its tokenizer). `OmniModel.from_model` adopts it with
 its own `forward` and `generate`; the YAML freezes the vision tower, trains the projector and puts LoRA on the
 language model; the export (`output_dir`) is a LLaVA folder that `LlavaForConditionalGeneration.from_pretrained`
 loads alone. It learns to caption scikit-learn's handwritten digits and prints the held-out accuracy of the
-exported model's `generate`.
+exported model's `generate`. docs/fine_tune_released.md walks through it.
 """
 
 import os
@@ -118,7 +121,7 @@ def main(argv: list[str], release: str = RELEASE) -> float:
     train_set, held_out = splits(tok)
     trainer = OmniTrainer(model=model, args=args, train_dataset=train_set)
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # --resume_from_checkpoint runs/x/checkpoint-N
     seconds = time.perf_counter() - start
     trainer.save_model()  # output_dir: a LLaVA folder (config.json, model.safetensors, tokenizer) + hf_omni.json
     accuracy = float("nan")
