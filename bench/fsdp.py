@@ -1,6 +1,7 @@
 """Per-module FSDP2 on CPU (2 gloo ranks): step time against a hand-written loop, and peak memory per rank.
 
-    python bench/fsdp.py            # launches its parts with accelerate; takes a few minutes
+    python bench/fsdp.py                # launches its parts with accelerate; takes a few minutes
+    python bench/fsdp.py --only memory  # parts 2 and 3 only (--only step: part 1 only)
 
 1. Step time, the demo model with the LLM sharded (frozen vision encoder, replicated projector): OmniTrainer vs
    a hand-written loop (`fully_shard` on the same units, composable `replicate`, one AdamW per module, per-module
@@ -8,7 +9,7 @@
 2. Peak RSS per rank of the demo layout with a ~150M-parameter LLM trained in full: OmniTrainer with the LLM
    sharded and the model built with `empty_init`, vs plain `Trainer` with DDP over the whole model (built
    normally), each in fresh processes, with glibc's default allocator and with MALLOC_MMAP_THRESHOLD_=131072
-   (glibc otherwise keeps freed memory). Goal: ratio <= 0.60.
+   (glibc otherwise keeps freed memory), side by side in the same run. Goal: ratio <= 0.60.
 3. The price of fp32 master weights: the same LLM saved in bf16 and trained under `bf16: true`, `master_dtype`
    auto (fp32 masters) vs bfloat16: the bytes of the LLM's parameters, gradients and AdamW state one rank holds,
    and peak RSS per rank. Theory: 16 bytes per parameter against 8, divided by the ranks.
@@ -23,7 +24,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from timing import StepTimer
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from launching import end_distributed, free_port  # noqa: E402
+from timing import StepTimer  # noqa: E402
 
 WARMUP, MEASURED, ROUNDS, BATCH = 5, 40, 3, 64
 BIG = dict(hidden=64, layers=2, llm_hidden=768, llm_layers=16)  # the LLM: ~151M parameters
@@ -34,9 +37,13 @@ MODULES = {"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
 
 
 def launch(*args: str, env: dict | None = None) -> str:
+    """The workers on 2 gloo ranks, with the caller's environment plus `env` (an allocator setting of the caller's
+    is dropped: each variant states its own)."""
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           __file__, *args]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "MALLOC_"))}
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})})
     if result.returncode:
         sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
         raise SystemExit(f"bench/fsdp.py {' '.join(args)} failed")
@@ -206,6 +213,14 @@ def parse(output: str, tag: str) -> dict[str, str]:
 
 
 def main():
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    if only in (None, "step"):
+        step_time()
+    if only in (None, "memory"):
+        memory()
+
+
+def step_time():
     step = parse(launch("--step-time"), "STEP")
     omni, by_hand = float(step["omni"]), float(step["by_hand"])
     print(f"bench/fsdp.py, 2 gloo ranks on CPU\n\nStep time, demo model (LLM sharded, batch {BATCH}/rank, "
@@ -214,6 +229,8 @@ def main():
     print(f"| OmniTrainer | {omni:.1f} |\n| hand-written per-module fully_shard loop | {by_hand:.1f} |")
     print(f"\nOmniTrainer / hand-written loop: {omni / by_hand:.3f} (goal <= 1.03)\n")
 
+
+def memory():
     subprocess.run([sys.executable, __file__, "--save-big"], check=True, capture_output=True)
     rows = []
     for allocator, env in (("glibc default", {}), ("MALLOC_MMAP_THRESHOLD_=131072",
@@ -246,8 +263,10 @@ def main():
 if __name__ == "__main__":
     if "--step-time" in sys.argv:
         step_time_worker()
+        end_distributed()  # groups destroyed, results flushed, then os._exit: see tests/launching.py
     elif "--memory" in sys.argv:
         memory_worker(sys.argv[sys.argv.index("--memory") + 1])
+        end_distributed()
     elif "--save-big" in sys.argv:
         save_big_model()
     else:

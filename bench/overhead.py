@@ -24,7 +24,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-from timing import StepTimer
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from launching import end_distributed, free_port  # noqa: E402
+from timing import StepTimer  # noqa: E402
 
 WARMUP, MEASURED, ROUNDS, BATCH = 10, 60, 5, 64
 LRS = {"vision": 1e-3, "projector": 3e-3, "llm": 1e-3}
@@ -33,7 +35,8 @@ TOTAL_STEPS = WARMUP + MEASURED
 
 def launch():
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", __file__, "--worker"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), __file__,
+           "--worker"]
     sys.exit(subprocess.call(cmd))
 
 
@@ -183,4 +186,8 @@ def worker():
 
 
 if __name__ == "__main__":
-    worker() if "--worker" in sys.argv else launch()
+    if "--worker" in sys.argv:
+        worker()
+        end_distributed()  # groups destroyed, output flushed, then os._exit: see tests/launching.py
+    else:
+        launch()
