@@ -130,8 +130,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for (llm, checked), r in results.items():
         base = results[(llm, False)]
-        print(f"| {llm} | {str(checked).lower()} | {r['held'] / MB:.0f} MB | {r['held'] / base['held']:.3f} | "
-              f"{r['rise'] / MB:.0f} MB | {r['seconds']:.2f} s | "
+        print(f"| {llm} | {str(checked).lower()} | {r['held'] / MB:.0f} MiB | {r['held'] / base['held']:.3f} | "
+              f"{r['rise'] / MB:.0f} MiB | {r['seconds']:.2f} s | "
               f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.1e} |")
 
 

@@ -138,8 +138,8 @@ def main():
         ratio = cached["step"] / online["step"]
         rows.append((layout, online, first, cached, share, ratio))
     print(f"bench/offline.py: {STEPS} steps of {BATCH} rows, median step past warm-up, each run its own process\n")
-    print("| layout | encoder MB | online step (s) | offline step (s) | f (encoder share) | offline / online | goal "
-          "(1 - f) + 0.05 | peak RSS online / offline (MB) | peak anonymous RSS online / offline (MB) | "
+    print("| layout | encoder MiB | online step (s) | offline step (s) | f (encoder share) | offline / online | goal "
+          "(1 - f) + 0.05 | peak RSS online / offline (MiB) | peak anonymous RSS online / offline (MiB) | "
           "anonymous drop / encoder bytes (goal >= 0.9) | encode vs plain forward (samples/s, goal >= 0.8) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layout, online, first, cached, share, ratio in rows:

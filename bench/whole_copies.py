@@ -2,10 +2,10 @@
 
     python bench/whole_copies.py
 
-The module: a Llama of ~166M parameters saved in bf16 (P = 664 MB in fp32, largest tensor 131 MB in fp32).
+The module: a Llama of 168M parameters saved in bf16 (P = 642 MiB in fp32, largest tensor 125 MiB in fp32).
 - masters: loaded whole (no `empty_init`), fully sharded with FSDP2 under bf16 compute, so `prepare` makes fp32
   masters of it. Per rank, the memory rise during `prepare_modules` (VmHWM after `clear_refs`, and sampled RssAnon,
-  under MALLOC_MMAP_THRESHOLD_=131072), against the bound P / world + L / world + max(64 MB, the largest tensor),
+  under MALLOC_MMAP_THRESHOLD_=131072), against the bound P / world + L / world + max(64 MiB, the largest tensor),
   L = the loaded module's bytes (bf16: P / 2): `fully_shard` itself copies each rank's shards of the loaded module
   before the cast replaces them, whatever the order. Variants: as
   hf_omni does it (cast on each rank's shards after sharding) and `cast first` (the whole module cast before it is
@@ -31,7 +31,7 @@ MODEL_DIR = os.path.join(ROOT, "model")
 LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False)
 VARIANTS = ("masters", "masters, cast first", "stripes", "stripes, whole")
-MB = 2**20
+MiB = 2**20
 
 
 def composed_class():
@@ -111,17 +111,21 @@ def main() -> None:
     for world in (2, 4):
         for variant in VARIANTS:
             r = run(variant, world)
+            sizes = r
             if variant.startswith("masters"):
-                bound = r["fp32"] / world + r["fp32"] / 2 / world + max(64 * MB, r["largest"])
+                bound = r["fp32"] / world + r["fp32"] / 2 / world + max(64 * MiB, r["largest"])
                 rises = [max(rank["hwm_rise"], rank["anon_rise"]) for rank in r["ranks"]]
-                print(f"| {variant} | {world} | prepare rise {' / '.join(f'{x / MB:.0f}' for x in rises)} MB | "
-                      f"{bound / MB:.0f} MB | {max(rises) / bound:.2f} |", flush=True)
+                print(f"| {variant} | {world} | prepare rise {' / '.join(f'{x / MiB:.0f}' for x in rises)} MiB | "
+                      f"{bound / MiB:.0f} MiB | {max(rises) / bound:.2f} |", flush=True)
             else:
                 reads = [rank["read"] for rank in r["ranks"]]
                 bound = r["module"] / world + r["largest"] / 2  # (bf16 files: the largest tensor in bf16)
-                print(f"| {variant} | {world} | read {' / '.join(f'{x / MB:.0f}' for x in reads)} MB; total / "
-                      f"module {sum(reads) / r['module']:.2f} (goal <= 1.1) | {bound / MB:.0f} MB | "
+                print(f"| {variant} | {world} | read {' / '.join(f'{x / MiB:.0f}' for x in reads)} MiB; total / "
+                      f"module {sum(reads) / r['module']:.2f} (goal <= 1.1) | {bound / MiB:.0f} MiB | "
                       f"{max(reads) / bound:.2f} |", flush=True)
+    print(f"\n{sizes['fp32'] / 4e6:.1f}M parameters: P = {sizes['fp32'] / MiB:.0f} MiB in fp32, the module "
+          f"{sizes['module'] / MiB:.0f} MiB in bf16, largest tensor {sizes['largest'] / MiB:.0f} MiB in fp32 "
+          "(MiB = 2**20 bytes)")
 
 
 if __name__ == "__main__":
