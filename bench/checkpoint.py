@@ -116,7 +116,7 @@ def accelerate_setup():
 
 def main(root: str):
     from hf_omni.checkpoint.digests import hash_checkpoint
-    from hf_omni.checkpoint.files import file_sizes
+    from hf_omni.checkpoint.contents import file_sizes
 
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)

@@ -37,7 +37,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     from hf_omni import offline_encoder
-    from hf_omni.dist import checkpoint_group
+    from hf_omni.core.dist import checkpoint_group
     from hf_omni.offline import exchange, window
     from hf_omni.offline.forward_plan import share_forward
     from hf_omni.testing.collectives import ReceivedBytes
@@ -55,7 +55,7 @@ def worker() -> None:
     model, spec = Captioner(), Captioner.encode.offline_encoder
     model.training, model.prepared = True, types.SimpleNamespace(device=torch.device("cpu"))
     model.slots = {"vision": types.SimpleNamespace(strategy=types.SimpleNamespace(collective=True),
-                                                   is_released=False)}
+                                                   is_offline=False)}
     image = {"pixel_values": torch.zeros(2, 3, 8, 8)} if dist.get_rank() % 2 == 0 else {}
     batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), **image}
     group = checkpoint_group(1234)

@@ -218,7 +218,7 @@ def async_save_resume():
 
     straight = trainer_for(build_model(), FSDP_BF16, 8, "async", [Tick()], save_strategy="steps", save_steps=4,
                            save_async=True)
-    stream = getattr(getattr(getattr(straight.plugin.checkpointer, "pipeline", None), "stream", None), "stream", None)
+    stream = getattr(getattr(getattr(straight.plugin.checkpointer, "async_save", None), "stream", None), "stream", None)
     if CUDA:
         ok_stream = stream is not None and stream != torch.cuda.default_stream()
         named = f"copy stream {stream!r}: " + ("not the default stream" if ok_stream else "NOT a stream of its own")

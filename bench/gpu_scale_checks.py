@@ -86,7 +86,7 @@ def build(spec: dict) -> torch.nn.Module:
 def random_fill(module, folder, device, name=""):
     """The driver's weight read, replaced: the local shards allocated on `device` and filled at random (std 0.02;
     norms 1), the rotary tables computed there."""
-    from hf_omni.modules.empty_init import materialize
+    from hf_omni.files.empty_init import materialize
 
     materialize(module, device)
     with torch.no_grad():
@@ -131,6 +131,7 @@ def fake_world(which: str) -> dict:
     from hf_omni import OmniModel, OmniPlugin
     from hf_omni.compat import init_fake_process_group
     from hf_omni.parallel import driver
+    from hf_omni.tuning.modes import apply_training_modes
 
     spec, device = MODELS[which], torch.device("cuda", 0) if CUDA else torch.device("cpu")
     if CUDA:
@@ -151,7 +152,7 @@ def fake_world(which: str) -> dict:
     init_fake_process_group(0, FAKE_WORLD)
     try:
         OmniPlugin(modules={"llm": settings}).resolve(model)
-        driver.apply_training_modes(model.slots)
+        apply_training_modes(model.slots)
         model.slots["llm"].pend("(random)")  # empty_init's path: sharded on meta, then each rank fills its share
         accelerator = types.SimpleNamespace(device=device, mixed_precision="bf16",  # master_dtype auto: fp32
                                             prepare_model=lambda model, **kwargs: model)
@@ -310,6 +311,7 @@ def fake_world_steps(world: int = 2, steps: int = 6) -> dict:
     from hf_omni.parallel import driver
     from hf_omni.testing.collectives import ReceivedBytes
     from hf_omni.testing.digits import build_model
+    from hf_omni.tuning.modes import apply_training_modes
 
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
     if CUDA:
@@ -320,7 +322,7 @@ def fake_world_steps(world: int = 2, steps: int = 6) -> dict:
     init_fake_process_group(0, world)
     try:
         OmniPlugin(modules={"llm": {"parallel": "fsdp", "fsdp_plugin": {"mixed_precision": BF16}}}).resolve(model)
-        driver.apply_training_modes(model.slots)
+        apply_training_modes(model.slots)
         accelerator = types.SimpleNamespace(device=device, mixed_precision="bf16",
                                             prepare_model=lambda model, **kwargs: model)
         driver.prepare_modules(accelerator, model, fsdp_scope="module")

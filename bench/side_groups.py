@@ -4,8 +4,8 @@
 
 Per rank, each layout in fresh processes (plain `torch.distributed`, `RANK` / `WORLD_SIZE` as `torchrun` sets
 them): open file descriptors (`/proc/self/fd`) after the default gloo group, after hf_omni's main-thread group
-(`hf_omni.dist.checkpoint_group`) has carried an object collective, and after the async writer's; the seconds each
-group took to make; then what an HSDP module's mesh (2 x world/2, `hf_omni.parallel.mesh.Meshes`, with
+(`hf_omni.core.dist.checkpoint_group`) has carried an object collective, and after the async writer's; the seconds each
+group took to make; then what an HSDP module's mesh (2 x world/2, `hf_omni.parallel.dims.Meshes`, with
 `ddp_timeout` 1234 s, as the side groups) adds, the groups a rank is in, and the timeouts of hf_omni's groups. Run once with gloo's eager connection (torch's default) and once with `TORCH_GLOO_LAZY_INIT=1`
 (pairs connected on first use). A full-mesh gloo group holds world - 1 sockets per rank; the table shows what each
 group adds, from which the docs give 512 ranks' needs.
@@ -32,7 +32,7 @@ def worker() -> None:
 
     dist.init_process_group("gloo")
     dist.barrier()
-    from hf_omni.dist import checkpoint_group
+    from hf_omni.core.dist import checkpoint_group
 
     figures = {"default": fds()}
     for thread in ("main", "writer"):
@@ -46,7 +46,7 @@ def worker() -> None:
     import torch
 
     from hf_omni.compat import group_timeout
-    from hf_omni.parallel.mesh import Meshes
+    from hf_omni.parallel.dims import Meshes
 
     start = time.perf_counter()
     mesh = Meshes("cpu", 1234).get((2, dist.get_world_size() // 2))  # HSDP: a replicate and a shard group per rank

@@ -5,20 +5,20 @@ A composed model (`OmniModel`) of named HF sub-models, per-module training setti
 `transformers.Trainer` over it (`OmniTrainer`).
 """
 
+from .adopt import format as _adopted_format  # noqa: F401 (the shipped formats register on import: this one first)
 from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
-from .config import OmniConfig
-from .errors import OmniArgumentError
-from .adopt import format as _adopted_format  # noqa: F401 (the shipped formats register on import: this one first)
-from .formats import pretrained as _transformers_format  # noqa: F401
-from .formats import diffusers_models as _diffusers_format  # noqa: F401
+from .core.config import OmniConfig
+from .core.errors import OmniArgumentError
 from .diffusion.sampling import SampleImagesCallback
-from .formats.interface import ModuleFormat, register_module_format
+from .files.format import ModuleFormat, register_module_format
+from .formats import diffusers_models as _diffusers_format  # noqa: F401
+from .formats import transformers as _transformers_format  # noqa: F401
+from .formats.transformers_classes import register_module_class
 from .modeling import OmniModel
-from .modules.classes import register_module_class
 from .modules.ema import ema_weights
 from .offline.encoder import offline_encoder
-from .parallel.registry import register_strategy
+from .parallel.strategy import register_strategy
 from .plugin import OmniPlugin
 from .projector import Projector, ProjectorConfig
 from .trainer.trainer import OmniTrainer

@@ -15,17 +15,18 @@ import argparse
 import os
 import shutil
 
+from .checkpoint.contents import check_complete
 from .checkpoint.ema_export import exports_ema, fill_ema_weights
-from .checkpoint.files import check_complete
 from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
-from .config import OmniConfig, module_folder
-from .hub.ids import LAYOUTS
+from .core.config import OmniConfig
+from .core.progress import each
+from .files.folder import copy_module_folder
+from .files.module_folder import module_folder
+from .hub.ids import HUB_LAYOUTS
 from .hub.push import push_saved
 from .modeling import OmniModel
-from .modules.folder import copy_module_folder
 from .offline.serve import ENCODE_ONLY
-from .progress import each
 
 
 def export(checkpoint: str, out: str) -> None:
@@ -93,7 +94,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     push_parser = commands.add_parser("push", help="push an export or checkpoint: module repos + composition repo")
     push_parser.add_argument("folder")
     push_parser.add_argument("repo_id")
-    push_parser.add_argument("--hub-layout", default=None, choices=LAYOUTS, help="a composed model's layout "
+    push_parser.add_argument("--hub-layout", default=None, choices=HUB_LAYOUTS, help="a composed model's layout "
                              "(default per_module); unset for an adopted model (one repo, its released format)")
     push_parser.add_argument("--private", action="store_true", help="create missing repos private")
     push_parser.add_argument("--revision", default=None, help="the branch to push to (created from main)")

@@ -29,21 +29,27 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from .config import ModuleEntry, OmniConfig, module_folder
+from .core.config import ModuleEntry, OmniConfig
+from .core.dist import is_main
+from .core.progress import each
 from .diffusion import pipeline as pipeline_io
-from .dist import is_main
-from .formats.interface import FORMATS, adopter, format_of, original_class, record_class, resolve_class
+from .files.folder import (
+    PROCESSOR_KINDS,
+    copy_module_folder,
+    export_module,
+    load_module,
+    load_processor,
+    processor_kind,
+)
+from .files.format import FORMATS, adopter, format_of, original_class, record_class, resolve_class
+from .files.module_folder import module_folder
+from .formats.transformers_classes import model_input_embeddings, per_module
 from .hub.download import download_composition, hub_origin, linked_folders
 from .hub.ids import is_hub_id
 from .hub.push import push_saved
 from .model_hooks import ModelHooks
-from .modules.classes import model_input_embeddings, per_module
-from .modules.folder import (
-    PROCESSOR_KINDS, copy_module_folder, export_module, load_module, load_processor, processor_kind,
-)
 from .modules.slot import ModuleSlot
 from .offline.missing_modality import before_forward, keep_in_graph
-from .progress import each
 
 
 class OmniModel(ModelHooks, PreTrainedModel):
@@ -165,7 +171,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
             os.makedirs(save_directory, exist_ok=True)
         for slot in each(list(self.slots.values()), f"exporting to {save_directory}"):
             folder = os.path.join(save_directory, slot.entry.subfolder)
-            if slot.is_released:  # offline: on the meta device, its files copied from its recorded source
+            if slot.is_offline:  # offline: on the meta device, its files copied from its recorded source
                 source = slot.entry.source
                 if not source or not format_of(slot.module).is_folder(source):
                     raise ValueError(f"module {slot.name!r} is on the meta device (offline) and has no source folder "
@@ -199,7 +205,7 @@ class OmniModel(ModelHooks, PreTrainedModel):
         Accelerate) or `{module: device}`; `dtype` one for all or `{module: dtype}`; LoRA modules keep their adapters
         unless `merge_lora=True` (merged by PEFT into plain weights). `empty_init=True` (training): modules are built
         on the meta device and remember their weights folder; `OmniPlugin.prepare` shards them first and reads each
-        rank's shards after (see `hf_omni.modules.weights`)."""
+        rank's shards after (see `hf_omni.files.weights`)."""
         if args:
             raise TypeError("OmniModel.from_pretrained takes the folder or repo id and keyword arguments only")
         root = str(pretrained_model_name_or_path)

@@ -22,23 +22,24 @@ import os
 import torch
 from torch import nn
 
-from .arguments.checks import check_after_tuning, check_before_compute
 from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
-from .dist import checkpoint_group, default_group_timeout, has_process_group
-from .errors import OmniArgumentError
+from .core.dist import checkpoint_group, default_group_timeout
+from .core.errors import OmniArgumentError
+from .core.refusals import RESOLVED, TUNED, refuse
+from .metrics.module_bytes import log_bytes_table, module_bytes
+from .metrics.profile import ModuleProfile
 from .modeling import OmniModel
-from .module_bytes import log_bytes_table, module_bytes
 from .modules.ownership import check_ownership
 from .offline.serve import serve_from_caches
 from .offline.window import agree_window
 from .optim.ema import attach_emas
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
-from .parallel.driver import Prepared, apply_training_modes, prepare_modules
-from .profile import ModuleProfile
+from .parallel.driver import Prepared, prepare_modules
+from .tuning.modes import apply_training_modes
 
 
 class OmniPlugin:
@@ -121,14 +122,17 @@ class OmniPlugin:
                 if slot.strategy is not None and slot.strategy.mesh is not None}
 
     def resolve(self, model: nn.Module) -> dict[str, ModuleArguments]:
-        """Resolve every module's settings against `model` (unknown / missing modules are errors)."""
+        """Resolve every module's settings against `model` (unknown / missing modules are errors), then check them:
+        the refusals each feature registered for resolved settings (`core.refusals`), before any compute."""
         if not isinstance(model, OmniModel):
             raise TypeError(f"OmniPlugin prepares an OmniModel, got {type(model).__name__}")
         check_ownership(model)
         for name, margs in self.args.resolve_modules(model.module_names).items():
             model.slots[name].args, model.slots[name].settings = margs, margs.strategy_settings()
         self.model = model
-        check_before_compute(model, self.module_args, self.args)
+        if not any(m.trainable for m in self.module_args.values()):
+            raise OmniArgumentError(None, "modules", "nothing is trainable: every module has trainable: false")
+        refuse(RESOLVED, model, self.args)
         return self.module_args
 
     def offline_datasets(self, model: OmniModel, datasets: dict, collator, batch_size: int, device) -> dict:
@@ -155,15 +159,16 @@ class OmniPlugin:
         return model, self.optimizer, self.scheduler
 
     def prepare_modules(self, accelerator, model: OmniModel) -> OmniModel:
-        """Freeze / LoRA / wrap / fill every module in place, as training will run them, without optimizers
-        (evaluation before training: an `empty_init` module is sharded and read as it will be trained)."""
+        """Every module in place as training will run it, without optimizers (evaluation before training: an
+        `empty_init` module is sharded and read as it will be trained), in named steps: resolve -> check -> tune ->
+        check -> the driver's (`parallel.driver`: plan, meshes, layouts, shard / replicate, precision)."""
         if self.modules_prepared:
             raise RuntimeError("OmniPlugin.prepare_modules was already called; use one plugin per model")
         self.resolve(model)
         if not apply_training_modes(model.slots):
             raise OmniArgumentError(None, "modules", "nothing is trainable: no module has a parameter that requires "
                                     "grad after freezing and LoRA")
-        check_after_tuning(model, self.args)
+        refuse(TUNED, model, self.args)
         default_group_timeout(self.args.ddp_timeout)
         checkpoint_group(self.args.ddp_timeout)  # hf_omni's side group, with ddp_timeout, before anything agrees
         self.prepared = model.prepared = prepare_modules(accelerator, model, fsdp_scope=self.args.fsdp_scope,

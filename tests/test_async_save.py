@@ -8,7 +8,7 @@ from real_models import Batches, build
 from torch.utils.data import DataLoader
 
 from hf_omni import OmniPlugin
-from hf_omni.checkpoint import pipeline as save_pipeline
+from hf_omni.checkpoint import async_save as async_save_module
 
 MODULES = {"resnet": {"learning_rate": 1e-2}, "projector": {"learning_rate": 1e-2},
            "llm": {"learning_rate": 1e-2, "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"]}}}
@@ -41,7 +41,7 @@ def test_async_save_holds_the_state_of_its_moment(tmp_path, monkeypatch):
         step(model, optimizer, scheduler, batch)
     order = []
     release = __import__("threading").Event()
-    copy = save_pipeline.copy_to_cpu
+    copy = async_save_module.copy_to_cpu
 
     def logged_copy(tensor, *args):  # the background copies wait until the loop reached its optimizer step
         if __import__("threading").current_thread().name.startswith("hf_omni_save"):
@@ -49,7 +49,7 @@ def test_async_save_holds_the_state_of_its_moment(tmp_path, monkeypatch):
             order.append("late copy")
         return copy(tensor, *args)
 
-    monkeypatch.setattr(save_pipeline, "copy_to_cpu", logged_copy)
+    monkeypatch.setattr(async_save_module, "copy_to_cpu", logged_copy)
     fence = optimizer.before_step
     optimizer.before_step = lambda: (order.append("step"), release.set(), fence())
     saved = snapshot(model, optimizer)
@@ -81,19 +81,19 @@ def test_after_a_failed_copy_no_write_runs():
     rank enters a write's collectives alone."""
     import pytest
 
-    pipeline = save_pipeline.SavePipeline()
-    pipeline.begin([])
-    pipeline._copies.append(lambda: 1 / 0)
+    saver = async_save_module.AsyncSave()
+    saver.begin([])
+    saver._copies.append(lambda: 1 / 0)
     ran = []
-    pipeline.then(lambda: ran.append("write"), "writing x")
-    futures = pipeline.start()
-    pipeline.fence()
+    saver.then(lambda: ran.append("write"), "writing x")
+    futures = saver.start()
+    saver.fence()
     with pytest.raises(ZeroDivisionError):
         futures[0].result()
-    with pytest.raises(save_pipeline.BackgroundWriteError, match="writing x: skipped, the copies of this save"):
+    with pytest.raises(async_save_module.BackgroundWriteError, match="writing x: skipped, the copies of this save"):
         futures[1].result()
     assert ran == []
-    pipeline.close()
+    saver.close()
 
 
 def test_saving_before_any_step_leaves_the_optimizer_as_it_was(tmp_path):
@@ -142,22 +142,22 @@ def test_async_copies_reuse_their_staging_buffers_and_hold_each_saves_values(tmp
 
     plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=True)
     batches = list(DataLoader(Batches(24), batch_size=4))
-    pipeline, saved, buffers = plugin.checkpointer.pipeline, [], []
+    saver, saved, buffers = plugin.checkpointer.async_save, [], []
     for number, batch in enumerate(batches[:2]):
         step(model, optimizer, scheduler, batch)
         saved.append(model.projector.state_dict()["layers.0.weight"].clone())
         plugin.save_state(str(tmp_path / f"ckpt{number}"))
         plugin.wait_for_save()
-        buffers.append({name: tensor.data_ptr() for name, tensor in pipeline.staging.buffers.items()})
+        buffers.append({name: tensor.data_ptr() for name, tensor in saver.staging.buffers.items()})
     assert buffers[0] and buffers[0] == buffers[1] and any(name.startswith("projector/") for name in buffers[0])
-    assert all(t.is_pinned() == torch.cuda.is_available() for t in pipeline.staging.buffers.values())
-    assert pipeline.stream.cuda == torch.cuda.is_available()
+    assert all(t.is_pinned() == torch.cuda.is_available() for t in saver.staging.buffers.values())
+    assert saver.stream.cuda == torch.cuda.is_available()
     assert not torch.equal(saved[0], saved[1])
     for number in (0, 1):
         written = load_file(str(tmp_path / f"ckpt{number}" / "projector" / "model.safetensors"))
         assert torch.equal(written["layers.0.weight"], saved[number])
     plugin.close()
-    assert pipeline.staging.buffers == {}
+    assert saver.staging.buffers == {}
 
 
 def test_masters_and_moe_groups_are_staged_once_off_the_training_thread(tmp_path, monkeypatch):
@@ -178,17 +178,17 @@ def test_masters_and_moe_groups_are_staged_once_off_the_training_thread(tmp_path
     model, optimizer, scheduler = plugin.prepare(Accelerator(cpu=True), model, num_training_steps=4)
     batch = next(iter(DataLoader(Tokens(), batch_size=4)))
     step(model, optimizer, scheduler, batch)
-    copies, copy = [], save_pipeline.copy_to_cpu
+    copies, copy = [], async_save_module.copy_to_cpu
 
     def logged_copy(tensor, into=None, *args):
         copies.append((threading.current_thread().name, into is not None))
         return copy(tensor, into, *args)
 
-    monkeypatch.setattr(save_pipeline, "copy_to_cpu", logged_copy)
+    monkeypatch.setattr(async_save_module, "copy_to_cpu", logged_copy)
     plugin.save_state(str(tmp_path / "async"))
     plugin.wait_for_save()
     assert copies and all(name.startswith("hf_omni_save") and into for name, into in copies)  # no buffers here
-    buffers = plugin.checkpointer.pipeline.staging.buffers
+    buffers = plugin.checkpointer.async_save.staging.buffers
     masters = [name for name, p in model.llm.named_parameters()]
     assert masters and all(p.dtype == torch.float32 for p in model.llm.parameters())
     assert all(f"llm/state/tensors.{name}" in buffers for name in masters)
@@ -219,7 +219,7 @@ def test_staging_is_ordered_by_events_never_by_a_device_wide_synchronize():
         for waits in ("cuda.synchronize(", "accelerator.synchronize(", "stream.synchronize(", "DefaultStager"):
             assert waits not in text, (name, waits)
     assert "copied.synchronize()" in sources["staging.py"] and "wait_event" in sources["staging.py"]
-    stream = save_pipeline.CopyStream()
+    stream = async_save_module.CopyStream()
     stream.mark()
     with stream.copying():
         pass
@@ -236,13 +236,13 @@ def test_a_writer_process_writes_the_files_holding_no_socket_and_no_group(tmp_pa
 
     import pytest
 
-    from hf_omni.modules import folder_files
+    from hf_omni.files import in_place
 
     plugin, model, optimizer, scheduler = prepared(tmp_path, save_async=True)
     batches = list(DataLoader(Batches(8), batch_size=4))
     step(model, optimizer, scheduler, batches[0])
     held = socket.socketpair()  # as a process group's connections would be
-    log, write = tmp_path / "writers.txt", folder_files.Files.write
+    log, write = tmp_path / "writers.txt", in_place.Files.write
 
     def logged(self, name, offset, data):  # inherited by the forked writer
         with open(log, "a") as f:
@@ -251,10 +251,10 @@ def test_a_writer_process_writes_the_files_holding_no_socket_and_no_group(tmp_pa
             raise OSError(28, "No space left on device", os.path.join(self.folder, name))
         return write(self, name, offset, data)
 
-    monkeypatch.setattr(folder_files.Files, "write", logged)
+    monkeypatch.setattr(in_place.Files, "write", logged)
     plugin.save_state(str(tmp_path / "ckpt"))
     plugin.wait_for_save()
-    writer = plugin.checkpointer.pipeline.writer
+    writer = plugin.checkpointer.async_save.writer
     lines = [line.split() for line in log.read_text().splitlines()]  # (the LoRA base: written once, at once)
     assert {pid for pid, folder in lines if "/ckpt/" in folder} == {str(writer.pid)} != {str(os.getpid())}
     shards = list((tmp_path / "ckpt" / "llm" / "state").glob("shard-*.safetensors"))

@@ -93,7 +93,7 @@ def crafted(tmp_path, saved, prepare=None, **changes) -> str:
     marker listing every file: it looks like a complete checkpoint."""
     import shutil
 
-    from hf_omni.checkpoint.files import marker_info
+    from hf_omni.checkpoint.contents import marker_info
     from hf_omni.checkpoint.marker import write_marker
 
     folder = tmp_path / "crafted"
@@ -204,7 +204,7 @@ def _marker(folder, change):
 
 def _listed(folder, rel, text):
     """Rewrite `rel` and list its new size in the marker: a crafted file, not a truncated one."""
-    from hf_omni.checkpoint.files import marker_info
+    from hf_omni.checkpoint.contents import marker_info
 
     (folder / rel).write_text(text)
     _marker(folder, lambda d: d.update(files=marker_info(str(folder), 5, [])["files"]))

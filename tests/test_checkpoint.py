@@ -104,7 +104,7 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path):
     # an incomplete newer checkpoint is neither counted nor removed, and never picked for resume
     partial = tmp_path / "checkpoint-20"
     partial.mkdir()
-    from hf_omni.checkpoint.files import newest_complete_checkpoint, rotate
+    from hf_omni.checkpoint.contents import newest_complete_checkpoint, rotate
 
     assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-15")
     assert rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-10")) == []  # newest and best both stay

@@ -17,8 +17,8 @@ from transformers import TrainerCallback
 from hf_omni import OmniModel, OmniTrainer
 from hf_omni.checkpoint.file_checks import problem
 from hf_omni.cli import main
-from hf_omni.errors import DamagedFileError
-from hf_omni.modules.safetensors_index import SafetensorsIndex
+from hf_omni.core.errors import DamagedFileError
+from hf_omni.files.safetensors_index import SafetensorsIndex
 
 SHARD = "llm/state/shard-00001-00001-of-00002.safetensors"
 ADOPTED = {"vision": {"trainable": False}, "projector": {"learning_rate": 1e-2},
@@ -200,7 +200,7 @@ def test_a_damaged_source_read_outside_a_checkpoint_names_itself(runs, tmp_path)
 
 def test_each_rank_parses_only_its_share_of_the_files(runs, tmp_path):
     """At resume file i of the marker's sorted list is checked by rank i mod world alone (the ranks then agree)."""
-    from hf_omni.checkpoint.files import check_complete
+    from hf_omni.checkpoint.contents import check_complete
     from hf_omni.checkpoint.marker import read_marker
 
     run, checkpoint = damaged_copy(runs, tmp_path, "composed", SHARD, garble_header)

@@ -23,7 +23,7 @@ from tiny_pipelines import (
 import hf_omni
 from hf_omni import OmniArgumentError, OmniModel, SampleImagesCallback
 from hf_omni.cli import export
-from hf_omni.formats.interface import format_of
+from hf_omni.files.format import format_of
 
 PIPELINES = {"sd": StableDiffusionPipeline, "flux": FluxPipeline}
 

@@ -32,7 +32,7 @@ def test_the_api_reference_documents_every_public_name():
 
 
 def test_every_file_the_pages_cite_exists():
-    """A path such as `hf_omni/modules/weights.py`, `bench/scale.py` or `examples/train.py` in the README or a
+    """A path such as `hf_omni/files/weights.py`, `bench/scale.py` or `examples/train.py` in the README or a
     page names a file of the repository."""
     pages = [os.path.join(ROOT, "README.md")] + [os.path.join(DOCS, n) for n in os.listdir(DOCS) if n.endswith(".md")]
     missing = []

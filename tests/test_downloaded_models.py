@@ -12,7 +12,7 @@ from transformers import (
 )
 
 from hf_omni import OmniModel, OmniPlugin, OmniTrainer, Projector, ProjectorConfig, register_module_class
-from hf_omni.modules.classes import REGISTERED
+from hf_omni.formats.transformers_classes import REGISTERED
 
 
 class Single(OmniModel):

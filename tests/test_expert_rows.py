@@ -9,13 +9,13 @@ from transformers import (
     DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
 )
 
-from hf_omni.modules import weights
-from hf_omni.modules.empty_init import build_empty
-from hf_omni.modules import expert_rows
-from hf_omni.modules.expert_rows import read_rows, row_layout, slabs
-from hf_omni.modules.folder_plan import plan_folder
-from hf_omni.modules.tensor_layout import module_tensors
-from hf_omni.modules.weights import SafetensorsIndex, fill_module
+from hf_omni.files import weights
+from hf_omni.files.empty_init import build_empty
+from hf_omni.files import expert_rows
+from hf_omni.files.expert_rows import read_rows, row_layout, slabs
+from hf_omni.files.folder_plan import plan_folder
+from hf_omni.files.saved_keys import module_tensors
+from hf_omni.files.weights import SafetensorsIndex, fill_module
 from hf_omni.shards.box import local_box
 
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
@@ -165,7 +165,7 @@ def test_reading_through_transformers_is_refused_above_the_limit_for_whole_copie
     """Experts the rows cannot serve go through transformers' own loading, a whole copy of the module on every rank:
     allowed up to `whole.WHOLE_COPY_LIMIT` bytes of module (then read as transformers loads them), refused above
     it before anything is loaded, naming the module, its size and what to use instead."""
-    from hf_omni.modules import whole
+    from hf_omni.files import whole
 
     kind, folder, loaded = saved
     monkeypatch.setattr(weights, "read_fused_rows", lambda module, folder, names, *rest: (names, []))  # rows cannot

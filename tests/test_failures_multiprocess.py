@@ -13,7 +13,7 @@ import torch
 from checkpoint_scenario import make_trainer
 from launching import SCRIPTS, free_port, subprocess_env
 
-from hf_omni.checkpoint.files import newest_complete_checkpoint
+from hf_omni.checkpoint.contents import newest_complete_checkpoint
 from hf_omni.checkpoint.marker import MARKER
 
 SCRIPT = os.path.join(SCRIPTS, "mp_failures.py")

@@ -16,9 +16,9 @@ from released_models import BUILDERS, Rows, collate
 from released_models import MODULES as RELEASED_MODULES
 
 from hf_omni import OmniModel, OmniTrainer
-from hf_omni.checkpoint.files import check_complete
+from hf_omni.checkpoint.contents import check_complete
 from hf_omni.hub.commit import HubPushError
-from hf_omni.modules.folder import module_files
+from hf_omni.files.folder import module_files
 from hf_omni.testing import LoopbackHub
 from hf_omni.testing.digits import Captioner
 

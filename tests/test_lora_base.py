@@ -12,10 +12,10 @@ from helpers import Captioner, make_args, tiny_data, tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_omni import OmniTrainer
-from hf_omni.checkpoint.files import check_complete, rotate
+from hf_omni.checkpoint.contents import check_complete, rotate
 from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
-from hf_omni.lora.base import has_fixed_base, weights_folder
+from hf_omni.files.lora_base import has_fixed_base, weights_folder
 
 MODULES = {
     "vision": {"trainable": False},

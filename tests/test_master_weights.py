@@ -13,7 +13,7 @@ from helpers import count_metadata_reads, make_args, reference_train, tiny_data,
 from real_model_runs import MATRIX, mismatches, straight_and_resumed
 
 from hf_omni import OmniTrainer, OmniTrainingArguments
-from hf_omni.errors import OmniArgumentError
+from hf_omni.core.errors import OmniArgumentError
 from hf_omni.testing.digits import Captioner
 
 LR, STEPS, BATCH = 1e-6, 3, 8

@@ -193,7 +193,7 @@ def test_only_the_dummy_buffer_changes_are_put_back(tower, monkeypatch):
 
 def test_an_offline_module_given_its_inputs_runs_without_an_exchange(tower, distributed, monkeypatch):
     """The ranks given cached outputs never call the entry point: an exchange here would wait for them forever."""
-    tower.slots["vision"].stage = Stage.RELEASED  # offline (its strategy stands in for another module's)
+    tower.slots["vision"].stage = Stage.OFFLINE  # offline (its strategy stands in for another module's)
     monkeypatch.setattr(exchange_module, "share_inputs", lambda *a, **k: pytest.fail("exchanged for an offline module"))
     assert tower.encode(torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)).shape == (2, 16)
 

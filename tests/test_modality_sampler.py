@@ -8,7 +8,7 @@ from datasets import Dataset
 from helpers import make_args
 
 from hf_omni import OmniTrainer
-from hf_omni.errors import OmniArgumentError
+from hf_omni.core.errors import OmniArgumentError
 from hf_omni.offline.modality_sampler import ModalityGroupedSampler, row_modalities
 
 COLUMNS = {"vision": ["pixel_values", "image_features"], "audio": ["input_features"]}

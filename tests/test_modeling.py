@@ -183,7 +183,7 @@ def test_empty_init_fills_the_saved_weights(tmp_path, caplog):
     empty = Captioner.from_pretrained(tmp_path, empty_init=True)
     assert all(p.is_meta for p in empty.parameters())
     plugin = OmniPlugin(modules={"vision": {"trainable": False}}, output_dir=str(tmp_path / "run"))
-    with caplog.at_level("WARNING", logger="hf_omni.modules.weights"):
+    with caplog.at_level("WARNING", logger="hf_omni.files.weights"):
         plugin.prepare(Accelerator(cpu=True), empty, num_training_steps=1)
     assert "pooler" in caplog.text  # the one parameter the files lack (ViT's config forgets add_pooling_layer)
     state = {k: v for k, v in eager.state_dict().items() if ".pooler." not in k}
@@ -206,7 +206,7 @@ def test_a_merge_by_peft_is_refused_above_the_limit_for_whole_copies(tmp_path, m
     """DoRA on an embedding needs PEFT's own merge, on the gathered module beside its merged copy on the main
     process: allowed up to `whole.WHOLE_COPY_LIMIT` bytes of module, refused above it before anything is gathered
     or written, naming the module, its size and what to use instead."""
-    from hf_omni.modules import whole
+    from hf_omni.files import whole
 
     model = tiny_model().eval()
     inject_adapter_in_model(LoraConfig(**LORA_KINDS["dora_on_embedding"][0], init_lora_weights=False), model.llm)
@@ -229,7 +229,7 @@ def test_merge_lora_on_export_that_needs_peft_above_the_limit_is_refused_at_prep
     from accelerate import Accelerator
 
     from hf_omni import OmniPlugin
-    from hf_omni.modules import whole
+    from hf_omni.files import whole
 
     monkeypatch.setattr(whole, "WHOLE_COPY_LIMIT", 1000)
     lora = {"r": 4, "target_modules": ["embed_tokens"], "use_dora": True}
@@ -250,8 +250,9 @@ def test_lora_merge_for_export_is_row_by_row_and_equals_peft(tmp_path, monkeypat
     float rounding. DoRA on an embedding goes through PEFT on a gathered copy."""
     from safetensors.torch import load_file
 
-    import hf_omni.modules.folder as folder_io
-    from hf_omni.lora.adapters import base_state_dict, merged_module
+    import hf_omni.files.folder as folder_io
+    from hf_omni.files.peft_merge import merged_module
+    from hf_omni.lora.adapters import base_state_dict
 
     config, by_rows = LORA_KINDS[kind]
     model = tiny_model().eval()

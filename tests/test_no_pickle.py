@@ -14,7 +14,7 @@ from helpers import Captioner, full_state
 from no_pickle import Unpickled, no_unpickling
 from transformers import AutoModelForCausalLM, Trainer
 
-from hf_omni.checkpoint.files import marker_info
+from hf_omni.checkpoint.contents import marker_info
 from hf_omni.checkpoint.marker import MARKER
 from hf_omni.cli import export
 

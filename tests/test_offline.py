@@ -11,8 +11,8 @@ from helpers import make_args, step_losses, tiny_data, tiny_model
 from transformers import TrainerCallback
 
 from hf_omni import OmniTrainer
-from hf_omni.errors import OmniArgumentError
-from hf_omni.modules import weights
+from hf_omni.core.errors import OmniArgumentError
+from hf_omni.files import weights
 from hf_omni.offline import cache as offline_cache
 from hf_omni.offline import serve
 from hf_omni.parallel import driver

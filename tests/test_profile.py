@@ -12,8 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import TrainerCallback
 
 from hf_omni import OmniPlugin, OmniTrainer
-from hf_omni.module_bytes import predicted_optimizer_bytes
-from hf_omni.profile import HostEvent, ModuleProfile, ModuleTimer
+from hf_omni.metrics.module_bytes import predicted_optimizer_bytes
+from hf_omni.metrics.profile import HostEvent, ModuleProfile, ModuleTimer
 from hf_omni.testing.digits import Captioner
 from hf_omni.testing.host_reads import HostReads
 
@@ -344,7 +344,7 @@ def test_a_copy_of_a_profiled_module_is_not_timed(tmp_path):
 def test_a_run_that_logs_rarely_holds_a_bounded_number_of_marks(tmp_path, monkeypatch):
     """Finished calls are folded into milliseconds after each step once a module holds more than FOLD_AFTER: the
     logged time is the same as when every mark is kept."""
-    import hf_omni.profile as profile
+    import hf_omni.metrics.profile as profile
 
     def run(fold_after: int, name: str):
         monkeypatch.setattr(profile, "FOLD_AFTER", fold_after)

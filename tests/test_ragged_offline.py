@@ -93,7 +93,7 @@ def train(tmp_path, name: str, **extra):
 
 def test_training_from_the_cache_equals_training_online(tmp_path):
     online, offline = train(tmp_path, "online"), train(tmp_path, "offline", offline_modules=["vision"])
-    assert offline.model.slots["vision"].is_released
+    assert offline.model.slots["vision"].is_offline
     losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (online, offline)]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], abs=1e-6)
     for (name, a), (_, b) in zip(online.model.projector.named_parameters(), offline.model.projector.named_parameters()):

@@ -15,7 +15,7 @@ from real_models import Batches, MultiEncoder, encode
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from hf_omni.modules.classes import resolve_module_class
+from hf_omni.formats.transformers_classes import resolve_module_class
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from hf_omni.checkpoint.shard_writer import ShardWriter
-from hf_omni.dtypes import SAFETENSORS as DTYPES
+from hf_omni.core.dtypes import SAFETENSORS as DTYPES
 
 
 def sample_state():

@@ -13,7 +13,7 @@ from toy_format import ToyFormat, ToyNet
 from toy_runs import MODULES, REFERENCE, ToyData, check_export, run, toy_model
 
 import hf_omni
-from hf_omni.formats.interface import FORMATS, format_of
+from hf_omni.files.format import FORMATS, format_of
 
 
 def test_the_format_is_registered_first_and_refuses_other_classes():

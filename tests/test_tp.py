@@ -24,10 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_omni import OmniTrainer
 from hf_omni.compat import init_fake_process_group
-from hf_omni.errors import OmniArgumentError
-from hf_omni.modules.folder_write import tensor_mesh
-from hf_omni.parallel.layouts import layouts_for
-from hf_omni.parallel.mesh import dim_names, mesh_shape
+from hf_omni.core.errors import OmniArgumentError
+from hf_omni.files.folder_write import tensor_mesh
+from hf_omni.parallel.dims import dim_names, mesh_shape
+from hf_omni.parallel.layout import layouts_for
 
 TP2 = {"dp_shard_size": 1, "tp_size": 2}
 
@@ -224,7 +224,8 @@ def prepare_on_fake_rank(model, modules: dict, tmp_path, world: int = 2) -> None
     import torch.distributed as dist
 
     from hf_omni import OmniPlugin
-    from hf_omni.parallel.driver import apply_training_modes, prepare_modules
+    from hf_omni.parallel.driver import prepare_modules
+    from hf_omni.tuning.modes import apply_training_modes
 
     init_fake_process_group(0, world)
     try:
@@ -285,7 +286,7 @@ def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
     from hf_omni.parallel.boundary import Boundary
 
     mesh = types.SimpleNamespace(get_group=lambda: None, get_local_rank=lambda: 1, size=lambda: 2)
-    boundary = Boundary("llm", mesh)
+    boundary = Boundary("llm", mesh, "parallelism.tp_size", "tensor-parallel")
     boundary.sizes = [1, 2]  # this rank (1) holds rows 1 and 2 of the group's 3
     logits = torch.randn(3, 4, 5)
     kept = boundary._keep(CausalLMOutputWithPast(logits=logits, hidden_states=(logits, logits + 1)), "output")
@@ -302,8 +303,8 @@ def test_tp_replicated_tensors_are_written_once_per_tp_group():
     tp rank 0 of 2 writes its first half of the rows (rank 1 the rest); the split layers' shares are their boxes."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hf_omni.modules.folder_derived import replica
-    from hf_omni.modules.folder_write import my_rows
+    from hf_omni.files.folder_derived import replica
+    from hf_omni.files.folder_write import my_rows
 
     def check(mesh):
         norm = distribute_tensor(torch.arange(8.0), mesh["dp_shard"], [Shard(0)])

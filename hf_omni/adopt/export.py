@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 import os
 
-from ..dist import agreed, checkpoint_group, is_main
+from ..core.dist import agreed, checkpoint_group, is_main
+from ..files.folder_plan import plan_folder
+from ..files.folder_write import has_shards, remove_weight_files, write_module_folder
+from ..files.saved_keys import module_tensors
+from ..files.weights import fill_module
 from ..lora.adapters import lora_config_of
 from ..lora.merge import row_merge_plan
-from ..modules.folder_plan import plan_folder
-from ..modules.folder_write import has_shards, remove_weight_files, write_module_folder
-from ..modules.tensor_layout import module_tensors
-from ..modules.weights import fill_module
 
 
 def merge_plan(model) -> dict | None:
@@ -40,7 +40,7 @@ def export_original(model, folder: str, is_main_process: bool, max_shard_size) -
     one process holding it meanwhile: a frozen tower, never what every rank holds or reads)."""
     import torch
 
-    offline = [slot for slot in model.slots.values() if slot.is_released]
+    offline = [slot for slot in model.slots.values() if slot.is_offline]
     ids = {id(t) for slot in offline for t in module_tensors(slot.module).values()}
     main_only = frozenset(n for n, t in module_tensors(model.released).items() if id(t) in ids)
     sharded = has_shards(model.released)

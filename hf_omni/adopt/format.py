@@ -12,14 +12,14 @@ import os
 from torch import nn
 
 from ..compat import keys_to_ignore_on_save, transformers_save_keys
-from ..config import PART_FILE
-from ..formats.interface import ModuleFormat, register_shipped
+from ..core.config import PART_FILE
+from ..files.format import ModuleFormat, register_module_format
 from ..hub.download import adopted_folder
 from .model import AdoptedModel, from_model
 from .parts import Part
 
 
-@register_shipped
+@register_module_format
 class PartFormat(ModuleFormat):
     name = "adopted part"
     config_files = (PART_FILE,)

@@ -10,7 +10,7 @@ its forward skipped at the window's last micro-step would otherwise keep gradien
 
 from __future__ import annotations
 
-from ..dist import all_gather_host, checkpoint_group
+from ..core.dist import all_gather_host, checkpoint_group
 from ..offline.exchange import given  # not None and not 0 rows (0 images)
 
 

@@ -20,14 +20,14 @@ import types
 
 from transformers import PreTrainedModel
 
-from ..config import ADOPTED_FILE, RELEASED_FOLDER, ModuleEntry, OmniConfig
-from ..dist import is_main
+from ..core.config import ADOPTED_FILE, RELEASED_FOLDER, ModuleEntry, OmniConfig
+from ..core.dist import is_main
+from ..files.empty_init import build_empty
+from ..formats.transformers_classes import class_record, original_class, resolve_module_class
 from ..hub.download import download_module
 from ..hub.ids import is_hub_id
 from ..modeling import OmniModel
-from ..modules.classes import class_record, original_class, resolve_module_class
 from ..modules.ema import ema_weights
-from ..modules.empty_init import build_empty
 from ..offline.missing_modality import runs_collectives
 from .export import export_module_folders, export_original, module_folder_root
 from .inputs import check_same_inputs

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
 from ..offline.spec import OfflineEncoder
 
 METHODS = {"get_image_features": "image", "get_video_features": "video"}  # method -> its `mm_encoder_outputs` key

@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import repo_id_error
-from ..errors import OmniArgumentError
-from ..keys import NUMBER, check_field, declared, default_of, key
+from ..core.config import repo_id_error
+from ..core.errors import OmniArgumentError
+from ..core.keys import NUMBER, check_field, declared, default_of, key
 from ..modules.ema import check_ema
 from ..modules.precision import MASTER_DTYPES
-from ..parallel.mesh import check_parallelism
+from ..parallel.dims import check_parallelism
 from ..parallel.strategy import STRATEGIES, Strategy, check_settings, settings_tables, strategy_names
 
 
@@ -107,9 +107,8 @@ class ModuleArguments:
                             nullable=True, check=_check_fsdp)
     parallelism: dict | None = key(None, (dict,), "a `parallel: fsdp` module's mesh, Accelerate's ParallelismConfig "
                                    "fields: {dp_shard_size: N} full shard (default: the world), {dp_replicate_size: "
-                                   "R, dp_shard_size: S} HSDP; R x S = world size; per module, `tp_size: T` splits "
-                                   "it by its transformers tensor-parallel plan first (R x S x T = world size), "
-                                   "`ep_size: E` spreads a MoE module's experts over E ranks (E divides S)",
+                                   "R, dp_shard_size: S} HSDP (R x S = world size), and each layout's `<name>_size` "
+                                   "(docs/parallel.md's table: tensor and expert parallelism)",
                                    nullable=True, check=check_parallelism)
     sync_each_batch: bool | None = key(None, (bool,), "reduce its gradients on every micro-step of an accumulation "
                                        "window (unset: true for `fsdp`, whose gradients stay sharded; false for "

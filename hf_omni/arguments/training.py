@@ -17,14 +17,11 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..errors import OmniArgumentError
-from ..hub.ids import LAYOUTS
-from ..keys import as_number, check_type, default_of, merge_overlay
-from ..parallel.mesh import LAYOUT_SIZES, layout_keys
-
-LORA_REASONS = {"tp_size": "PEFT 0.21 fails on row-wise split layers; its column-wise adapters need one seeded init",
-                "ep_size": "PEFT's adapters on fused experts would need splitting by expert ranges like the experts"}
-from ..parallel.strategy import STRATEGIES, check_settings
+from ..core.errors import OmniArgumentError
+from ..core.keys import as_number, check_type, default_of, merge_overlay
+from ..hub.ids import HUB_LAYOUTS
+from ..parallel.layout import refuse_at_top_level, refuse_lora, refuse_strategy
+from ..parallel.strategy import STRATEGIES, check_settings, settings_keys
 from .fields import COMPILE, REFUSALS
 from .module import MODULE_FIELDS, MODULE_KEYS, ModuleArguments, check_module_key, field_help
 
@@ -109,7 +106,7 @@ class OmniTrainingArguments(TrainingArguments):
 
     def _validate(self) -> None:
         for name, choices in (("fsdp_scope", FSDP_SCOPES), ("grad_clip_scope", GRAD_CLIP_SCOPES),
-                              ("offline_cache", ("auto", "read_only")), ("hub_layout", (None, *LAYOUTS))):
+                              ("offline_cache", ("auto", "read_only")), ("hub_layout", (None, *HUB_LAYOUTS))):
             if getattr(self, name) not in choices:
                 raise OmniArgumentError(None, name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if self.group_by_modality and self.train_sampling_strategy not in ("random", "sequential"):
@@ -127,9 +124,7 @@ class OmniTrainingArguments(TrainingArguments):
                                         "one (on the meta device) included: use fsdp_scope: module")
         for name, value in self.module_defaults().items():
             check_module_key(None, name, value)
-        for key in layout_keys(self.module_defaults().get("parallelism")):
-            raise OmniArgumentError(None, f"parallelism.{key}", f"{LAYOUT_SIZES[key]} is per module: set it under "
-                                    "modules.<name>.parallelism (the rest of the composed model is data parallel)")
+        refuse_at_top_level(self.module_defaults().get("parallelism"))
         if self.modules is None:
             self.modules = {}
         check_type(None, "modules", self.modules, (dict,))
@@ -143,13 +138,11 @@ class OmniTrainingArguments(TrainingArguments):
             if self.grad_clip_scope == "global" and "max_grad_norm" in overlay:
                 raise OmniArgumentError(name, "max_grad_norm", "grad_clip_scope is global: all modules clip to the "
                                         "top-level max_grad_norm")
-            for key in {cls.settings_key for cls in STRATEGIES.values() if cls.settings_key}:
+            for key in settings_keys():
                 if overlay.get(key):  # a strategy's settings merged with the top level must still agree
                     check_settings(name, key, merge_overlay(getattr(self, key, None) or {}, overlay[key]))
             parallel = overlay.get("parallel", self.parallel)
-            for key in layout_keys(overlay.get("parallelism")) if parallel != "fsdp" else ():
-                raise OmniArgumentError(name, f"parallelism.{key}", f"{LAYOUT_SIZES[key]} is composed under FSDP2: "
-                                        f"it needs `parallel: fsdp`; this module is `parallel: {parallel}`")
+            refuse_strategy(name, overlay.get("parallelism"), parallel)
             if "parallelism" in overlay and overlay["parallelism"] is not None and \
                     not STRATEGIES[parallel].takes_mesh:
                 raise OmniArgumentError(name, "parallelism", "sets a mesh for `parallel: fsdp` modules; this one is "
@@ -197,9 +190,8 @@ class OmniTrainingArguments(TrainingArguments):
                 values["lora"] = None
             margs = ModuleArguments(name=name, trainable=trainable, lora_from_module=overlay.get("lora") is not None,
                                     parallel_from_module="parallel" in overlay, **values)
-            for key in layout_keys(margs.parallelism) if margs.lora is not None else ():
-                raise OmniArgumentError(name, f"parallelism.{key}", f"LoRA under {LAYOUT_SIZES[key]} is not "
-                                        f"supported ({LORA_REASONS[key]}): drop `lora` or `{key}` for this module")
+            if margs.lora is not None:
+                refuse_lora(name, margs.parallelism)
             for cls in STRATEGIES.values():  # settings merged from several levels must agree (min_num_params + classes)
                 margs.strategy_settings(cls)
             resolved[name] = margs

@@ -17,9 +17,9 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from ..dist import agreed, broadcast_from_main, is_main
-from ..lora.base import BASE_MARKER, FROZEN, find_base, read_base_marker
-from ..modules import folder_write
+from ..core.dist import agreed, broadcast_from_main, is_main
+from ..files import folder_write
+from ..files.lora_base import BASE_MARKER, FROZEN, find_base, read_base_marker
 from .digests import check_share, hash_checkpoint
 from .marker import MARKER, check_files, complete_checkpoints, file_sizes, read_marker, write_marker
 

@@ -19,14 +19,14 @@ import concurrent.futures
 import os
 import shutil
 
-from ..dist import agreed, broadcast_from_main, checkpoint_group, is_main
-from ..modules import folder_write
-from ..modules.folder import write_frozen_source
-from ..progress import each
-from . import files, marker, module_state, resume
+from ..core.dist import agreed, broadcast_from_main, checkpoint_group, is_main
+from ..core.progress import each
+from ..files import folder_write
+from ..files.folder import write_frozen_source
+from . import contents, marker, module_state, resume
+from .async_save import AsyncSave
 from .bases import Base, write_base
 from .digests import hash_checkpoint
-from .pipeline import SavePipeline
 from .state_json import split
 
 
@@ -41,7 +41,7 @@ class ModuleCheckpointer:
         for slot in model.slots.values():
             slot.checkpoint = module_state.ModuleState(slot)
         self._pending: tuple | None = None  # (directory, step, futures, resumable) of a save without its marker
-        self.pipeline = SavePipeline() if save_async else None  # async saves: staging thread + writer process
+        self.async_save = AsyncSave() if save_async else None  # async saves: staging thread + writer process
         self._exit_hook = False
         self.group = checkpoint_group(timeout_s)  # every step one rank does alone ends in an agreement on it
         self.async_group = checkpoint_group(timeout_s, "writer") if save_async else None  # the staging thread's
@@ -82,17 +82,17 @@ class ModuleCheckpointer:
                                                    self.group, self.verify)
         used = {name: base for name, base in self.bases.items()  # a base that trains is written with the module
                 if name in self.trainable and self.states[name].fixed_base}
-        pipeline = self.pipeline
-        if pipeline is not None:
-            pipeline.begin([self.model.slots[name].module for name in self.trainable])
+        async_save = self.async_save
+        if async_save is not None:
+            async_save.begin([self.model.slots[name].module for name in self.trainable])
         optimizer_states = {} if weights_only else optimizer.state_dict()  # every rank its own shards
         scheduler_states = {} if weights_only else scheduler.state_dict()
-        for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and pipeline is None):
+        for name in each(self.trainable, f"saving {directory}", enabled=self.show_progress and async_save is None):
             slot, folder, base = self.model.slots[name], self.folder(directory, name), used.get(name)
             plan = self.states[name].plan.adapter_only() if base is not None else self.states[name].plan
             with agreed(f"module {name!r}: writing {folder}", self.group):  # every rank its own rows
                 folder_write.write_module_folder(slot.module, folder, plan, slot.processor, dtypes=slot.export_dtypes,
-                                                 pipeline=pipeline, base=base.folder if base is not None else None)
+                                                 async_save=async_save, base=base.folder if base is not None else None)
             if weights_only:
                 continue
             tensors, rest = split(optimizer_states[name], os.path.join(folder, module_state.STATE))
@@ -103,7 +103,7 @@ class ModuleCheckpointer:
                     module_state.save_scheduler(scheduler_states[name], folder)
                     if slot.ema is not None:  # its shadows go with the optimizer shards
                         module_state.save_json(slot.ema.state_json(), folder, module_state.EMA_JSON)
-            self.states[name].save_tensors(folder, tensors, pipeline=pipeline, group=self.async_group)
+            self.states[name].save_tensors(folder, tensors, async_save=async_save, group=self.async_group)
         released = self.model.released_folder
         if released is not None:  # an adopted model: its released format too (every rank its rows)
             self.model.save_pretrained(os.path.join(directory, released))
@@ -111,8 +111,8 @@ class ModuleCheckpointer:
             if is_main():
                 self.model.write_config(directory)
                 if not weights_only:
-                    files.save_scaler(optimizer.scaler, directory)
-        futures = pipeline.start(self.async_group) if pipeline is not None else []
+                    contents.save_scaler(optimizer.scaler, directory)
+        futures = async_save.start(self.async_group) if async_save is not None else []
         self._pending = (directory, step, futures, not weights_only, {n: b.record() for n, b in used.items()})
         if futures and not self._exit_hook:  # process exit waits for shards still being written
             atexit.register(lambda: [f.result() for f in (self._pending or (None, None, [], None, None))[2]])
@@ -137,8 +137,8 @@ class ModuleCheckpointer:
 
     def fence(self) -> None:
         """Before an optimizer step: the async save in flight has copied what it writes."""
-        if self.pipeline is not None:
-            self.pipeline.fence()
+        if self.async_save is not None:
+            self.async_save.fence()
 
     def wait(self) -> None:
         """Finish the save in flight: wait for its files on every rank, then write its marker (rank 0)."""
@@ -157,7 +157,7 @@ class ModuleCheckpointer:
                 digests = hash_checkpoint(directory, sizes, self.group)
         with agreed(f"writing {os.path.join(directory, marker.MARKER)}", self.group):
             if is_main():
-                marker.write_marker(directory, files.marker_info(directory, step, self.trainable, resumable, sizes,
+                marker.write_marker(directory, contents.marker_info(directory, step, self.trainable, resumable, sizes,
                                                                 digests, bases))
         if self.on_marked is not None and is_main():
             self.on_marked(directory)
@@ -165,8 +165,8 @@ class ModuleCheckpointer:
     def close(self) -> None:
         """Finish the save in flight (marker included), release the staging buffers, the thread and the writer process."""
         self.wait()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        if self.async_save is not None:
+            self.async_save.close()
 
     # -- load (resume.py) ---------------------------------------------------------------------------
     def load(self, directory: str, optimizer, scheduler, weights_loaded: set[str] = frozenset(),

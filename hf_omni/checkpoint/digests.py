@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from ..dist import has_process_group
-from ..errors import DamagedFileError
+from ..core.dist import has_process_group
+from ..core.errors import DamagedFileError
 from .file_checks import EARLIER
 
 PIECE = 256 * 2**20  # bytes hashed as one piece

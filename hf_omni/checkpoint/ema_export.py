@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..config import module_folder
+from ..files.module_folder import module_folder
 from .module_state import STATE, load_module_tensors, read_ema_json, state_keys, state_metadata
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import re
 
-from ..errors import DamagedFileError
+from ..core.errors import DamagedFileError
 from . import file_checks
 
 MARKER = "hf_omni_checkpoint.json"

@@ -24,12 +24,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..dist import checkpoint_group
-from ..lora.base import has_fixed_base
+from ..core.dist import checkpoint_group
+from ..files.folder_plan import plan_folder
+from ..files.folder_write import tensor_mesh
+from ..files.lora_base import has_fixed_base
+from ..files.saved_keys import file_layout, module_tensors
 from ..modules.ema import EMA_JSON
-from ..modules.folder_plan import plan_folder
-from ..modules.folder_write import tensor_mesh
-from ..modules.tensor_layout import file_layout, module_tensors
 from ..shards.replicas import load_once
 from .shard_plan import shard_files
 from .shard_reader import ShardReader
@@ -61,10 +61,10 @@ def save_json(value, folder: str, name: str) -> None:
         json.dump(value, f)
 
 
-def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, pipeline=None, group=None,
+def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, async_save=None, group=None,
                        ema: dict | None = None, mesh=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
-    Async (`pipeline`, `pipeline.SavePipeline`): the pipeline copies them in its thread before the next optimizer
+    Async (`async_save`, `async_save.AsyncSave`): the async_save copies them in its thread before the next optimizer
     step, into its staging buffers, reused from one save to the next (a master weight copied once, for `state/`
     and the HF files alike); this rank's files are then planned on it alone (`shard_plan`; `group`: the ranks,
     `mesh`: a tensor-parallel module's whole mesh) and written by the writer process, with no collective.
@@ -74,18 +74,18 @@ def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, pipe
     state_dir = os.path.join(folder, STATE)
     os.makedirs(state_dir, exist_ok=True)
     state = {"optimizer": {"state": optimizer_tensors}, "tensors": tensors, **({"ema": ema} if ema else {})}
-    if pipeline is None:
+    if async_save is None:
         dcp.save(state, storage_writer=_writer(state_dir))
         return
-    staged = pipeline.stage(state, prefix=f"{os.path.basename(folder)}/{STATE}/")
+    staged = async_save.stage(state, prefix=f"{os.path.basename(folder)}/{STATE}/")
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
     def hand_off():  # planned here on this rank alone (`shard_plan`), written by the writer process
-        files = [(name, head, [pipeline.staging.ref(t) for t in tensors])
+        files = [(name, head, [async_save.staging.ref(t) for t in tensors])
                  for name, head, tensors in shard_files(staged(), rank, world, WRITER_THREADS, mesh)]
-        pipeline.hand_off("shards", (state_dir, files))
+        async_save.hand_off("shards", (state_dir, files))
 
-    pipeline.then(hand_off, f"writing {state_dir}")
+    async_save.then(hand_off, f"writing {state_dir}")
 
 
 def save_scheduler(state: dict, folder: str) -> None:
@@ -232,12 +232,12 @@ class ModuleState:
         names = self.unmapped | (self.masters if masters is None else masters)
         return {n: tensors[n].detach() for n in sorted(names)}
 
-    def save_tensors(self, folder: str, optimizer_tensors: dict, pipeline=None, group=None) -> None:
+    def save_tensors(self, folder: str, optimizer_tensors: dict, async_save=None, group=None) -> None:
         """The optimizer's tensors and the unmapped ones, every rank its own shards (`save_state_tensors`)."""
         ema = self.slot.ema
         if ema is not None and ema.swapped:
             raise RuntimeError(f"module {self.slot.name!r}: a checkpoint inside ema_weights() would save the EMA "
                                "weights as the live ones")
-        save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), pipeline=pipeline,
+        save_state_tensors(folder, optimizer_tensors, self.unmapped_tensors(), async_save=async_save,
                            group=group, ema=dict(ema.shadows) if ema is not None else None,
-                           mesh=tensor_mesh(self.slot.module) if pipeline is not None else None)
+                           mesh=tensor_mesh(self.slot.module) if async_save is not None else None)

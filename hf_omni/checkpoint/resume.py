@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 
-from ..config import OmniConfig, module_folder
-from ..dist import agreed, checkpoint_group, rank, world_size
-from ..modules.weights import check_through_transformers, read_into, read_through_transformers
-from . import bases, files, module_state
+from ..core.config import OmniConfig
+from ..core.dist import agreed, checkpoint_group, rank, world_size
+from ..files.module_folder import module_folder
+from ..files.weights import check_through_transformers, read_into, read_through_transformers
+from . import bases, contents, module_state
 
 
 def resume_weights_folders(model, directory: str) -> set[str]:
@@ -30,11 +31,11 @@ def resume_weights_folders(model, directory: str) -> set[str]:
 
 
 def check_shared(directory: str, timeout_s: float | None = None) -> dict:
-    """`files.check_complete` with each rank statting its share of the files and parsing their headers / JSON
+    """`contents.check_complete` with each rank statting its share of the files and parsing their headers / JSON
     (`file_checks`), the ranks then agreeing on the outcome (digests: at the load, `verify_checkpoint`)."""
 
     with agreed(f"checking checkpoint {directory}", checkpoint_group(timeout_s)):
-        return files.check_complete(directory, share=(rank(), world_size()))
+        return contents.check_complete(directory, share=(rank(), world_size()))
 
 
 def check(checkpointer, directory: str, weights_only: bool = False) -> dict:
@@ -42,7 +43,7 @@ def check(checkpointer, directory: str, weights_only: bool = False) -> dict:
     that differ). `weights_only`: a `save_only_model` checkpoint serves too."""
     model = checkpointer.model
     share = (rank(), world_size())  # each rank checks its share of the digests; the ranks then agree
-    marker = files.check_complete(directory, verify=checkpointer.verify, share=share)
+    marker = contents.check_complete(directory, verify=checkpointer.verify, share=share)
     if marker.get("resumable") is False and not weights_only:
         raise ValueError(f"checkpoint {directory} was saved with save_only_model: module weights only, no "
                          "optimizer state; it cannot be resumed (load it with from_pretrained)")
@@ -77,7 +78,7 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
             saved[name] = None if weights_only else module_state.read_state_json(folders[name])
             emas[name] = module_state.read_ema_json(folders[name])
     todo = {name: folder for name, folder in folders.items()
-            if name not in weights_loaded and not model.slots[name].is_released}  # offline: never read
+            if name not in weights_loaded and not model.slots[name].is_offline}  # offline: never read
     masters, metas = {}, {}  # module -> the master weights its state/ holds (read there, not from the rounded HF
     for name in trainable:  # files); its state/'s DCP metadata, read once here for every later reader of it
         with agreed(f"module {name!r}: reading {os.path.join(folders[name], module_state.STATE)}", group):
@@ -104,7 +105,7 @@ def load(checkpointer, directory: str, optimizer, scheduler, weights_loaded: set
     scheduler.load_state_dict({name: saved[name][1] for name in trainable})
     for name in trainable:  # `ema`: shadows and counter (or, from a checkpoint without, the loaded weights)
         module_state.restore_ema(name, model.slots[name].ema, folders[name], emas[name], metas[name])
-    files.load_scaler(optimizer.scaler, directory)
+    contents.load_scaler(optimizer.scaler, directory)
 
 
 def state_metadata(checkpointer, name: str, folder: str, weights_only: bool, ema_saved: dict | None):

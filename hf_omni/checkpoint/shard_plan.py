@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from ..modules.folder_derived import replica
+from ..files.folder_derived import replica
 from .shard_writer import header
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..compat import dcp_shard_index, dcp_sharding_info_key
-from ..dtypes import SAFETENSORS
+from ..core.dtypes import SAFETENSORS
 
 BLOCK = 4096  # O_DIRECT alignment
 BOUNCE = 16 << 20  # O_DIRECT: bytes staged in one aligned buffer per write

@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-import secrets
 import os
+import secrets
 
 import torch
 

@@ -16,10 +16,10 @@ dict on every save, and its process joins a gloo group of its own (world - 1 soc
 
 from __future__ import annotations
 
-import ctypes
-import os
 import base64
+import ctypes
 import json
+import os
 import signal
 import threading
 import traceback
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..modules.folder_files import Files, write_tensor
+from ..files.in_place import Files, write_tensor
 
 IN_WRITER = False  # true in the writer process (tests that SIGKILL "the run" kill its parent too)
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -37,6 +37,7 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group"),
     ("torch", "torch.distributed.tensor.placement_types._StridedShard"),
     ("torch", "torch.distributed.tensor.DTensor._spec"),
+    ("torch", "torch.distributed.device_mesh.DeviceMesh._flatten"),
     ("transformers", "transformers.PreTrainedModel._keys_to_ignore_on_save"),
     ("transformers", "transformers.PreTrainedModel._tied_weights_keys"),
     ("accelerate", "accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy"),

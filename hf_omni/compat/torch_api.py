@@ -205,3 +205,13 @@ def fsdp_padded_shards(module: nn.Module) -> dict[str, tuple[int, torch.Size]]:
                                            "which the installed torch does not")
             out[names[id(param.sharded_param)]] = (param.fsdp_placement.dim, param.padded_sharded_param_size)
     return out
+
+
+def flatten_mesh(mesh, names: tuple[str, ...]) -> str:
+    """Dims `names` of `mesh` flattened into one (`DeviceMesh._flatten`, as torchtitan flattens `dp_shard x cp`);
+    returns the flat dim's name, by which `mesh[...]` slices it."""
+    flat = "_".join(names)
+    resolve("torch.distributed.device_mesh.DeviceMesh._flatten")
+    mesh[names]._flatten(flat)
+    return flat
+

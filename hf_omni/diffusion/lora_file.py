@@ -12,7 +12,8 @@ import inspect
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
+from ..core.refusals import RESOLVED, refusal
 from ..lora.adapters import lora_config_of
 from ..lora.merge import full
 from .index import is_pipeline, pipeline_class
@@ -37,6 +38,13 @@ def check_lora_components(model, lora: dict) -> None:
         if settings and name not in takes:
             raise OmniArgumentError(name, "lora", f"{cls.__name__} holds LoRA of {takes} only (its "
                                     "save_lora_weights, diffusers' LoRA file): train the module fully or freeze it")
+
+
+@refusal(RESOLVED)
+def refuse_lora_outside_the_file(model, args) -> None:
+    """LoRA written under `modules.<name>` on a component the pipeline's LoRA file does not hold."""
+    check_lora_components(model, {n: s.args.lora for n, s in model.slots.items()
+                                  if s.args.trainable and s.args.lora_from_module})
 
 
 def adapter_state(slot) -> dict[str, torch.Tensor]:

@@ -13,10 +13,10 @@ import os
 
 from torch import nn
 
+from ..files.empty_init import build_empty
+from ..files.format import format_of
 from ..formats.diffusers_models import diffusers_module, from_diffusers
-from ..formats.interface import format_of
 from ..modules.ema import ema_weights, slot_emas
-from ..modules.empty_init import build_empty
 from .index import INDEX, SAVED_BY, component_class, is_component, is_pipeline, pipeline_class
 from .lora_file import write_lora_file
 
@@ -162,7 +162,7 @@ def to_pipeline(model):
         raise ValueError(f"{type(model).__name__} was not adopted from a pipeline (from_pipeline): no pipeline to "
                          "build")
     cls = pipeline_class(index)
-    offline = [name for name, slot in model.slots.items() if slot.is_released]
+    offline = [name for name, slot in model.slots.items() if slot.is_offline]
     if offline:
         raise ValueError(f"to_pipeline: modules {offline} are offline (cached, on the meta device): a pipeline runs "
                          "every component; sample with a model whose encoders are not offline")

@@ -2,6 +2,6 @@
 transformers format (`pretrained`: a `PreTrainedModel`); the adopted part's format is `adopt/format.py`. Both are
 registered by `hf_omni/__init__.py`, the adopted part first."""
 
-from .interface import ModuleFormat, format_of, register_module_format
+from ..files.format import ModuleFormat, format_of, register_module_format
 
 __all__ = ["ModuleFormat", "format_of", "register_module_format"]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..compat import supports_block_checkpointing
-from .interface import ModuleFormat, original_class, register_shipped
+from ..files.format import ModuleFormat, original_class, register_module_format
 
 RECORD_PREFIX = "diffusers."  # the root config records "diffusers.UNet2DConditionModel"
 EXTRA = "diffusers is not installed: pip install 'hf_omni[diffusion]'"
@@ -37,7 +37,7 @@ def from_diffusers(cls: type) -> bool:
     return any(c.__module__.split(".")[0] == "diffusers" for c in cls.__mro__)
 
 
-@register_shipped
+@register_module_format
 class DiffusersFormat(ModuleFormat):
     name = "diffusers"
     config_files = ("config.json",)

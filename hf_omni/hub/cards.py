@@ -11,7 +11,7 @@ import json
 import os
 
 from ..checkpoint.marker import read_json
-from ..formats.interface import format_of, resolve_class
+from ..files.format import format_of, resolve_class
 
 SUMMARY = "training_summary.json"  # written by OmniTrainer beside an export's / checkpoint's root config
 HYPER_PARAMETERS = ("learning_rate", "optim", "weight_decay", "lr_scheduler_type", "warmup_steps", "max_grad_norm",

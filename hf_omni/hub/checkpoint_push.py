@@ -18,9 +18,9 @@ import posixpath
 from ..checkpoint.bases import recorded
 from ..checkpoint.digests import PIECE
 from ..checkpoint.marker import MARKER, read_marker
+from ..files.folder import adapter_config_with_base
+from ..files.lora_base import BASE_MARKER, FROZEN, base_reference
 from ..lora.adapters import ADAPTER_CONFIG
-from ..lora.base import BASE_MARKER, FROZEN, base_reference
-from ..modules.folder import adapter_config_with_base
 
 
 def scrubbed_config(path: str) -> bytes:

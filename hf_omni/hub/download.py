@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 from ..compat import config_commit_hash
-from ..config import ADOPTED_FILE, OmniConfig
+from ..core.config import ADOPTED_FILE, OmniConfig
 from ..diffusion.index import INDEX, part_names
-from ..formats.interface import config_files, format_of, is_module_folder
-from ..modules.folder import module_patterns
+from ..files.folder import module_patterns
+from ..files.format import config_files, format_of, is_module_folder
 from .ids import cache_snapshot, is_hub_id
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import re
 
-from ..config import repo_id_error
+from ..core.config import repo_id_error
 
-LAYOUTS = ("per_module", "single")  # a repo per module plus the composition repo | one repo
+HUB_LAYOUTS = ("per_module", "single")  # a repo per module plus the composition repo | one repo
 
 
 def is_hub_id(path: str) -> bool:

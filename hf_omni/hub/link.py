@@ -19,11 +19,11 @@ import tempfile
 
 import torch
 
-from ..formats.interface import format_of, resolve_class
-from ..modules.empty_init import build_empty
-from ..modules.folder import load_processor
-from ..modules.safetensors_index import SafetensorsIndex
-from ..modules.tensor_layout import file_layout, module_tensors
+from ..files.empty_init import build_empty
+from ..files.folder import load_processor
+from ..files.format import format_of, resolve_class
+from ..files.safetensors_index import SafetensorsIndex
+from ..files.saved_keys import file_layout, module_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import OmniConfig
+from ..core.config import OmniConfig
 from ..diffusion.index import INDEX
 from .checkpoint_push import folder_operations
 from .commit import commit

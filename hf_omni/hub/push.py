@@ -20,13 +20,14 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..config import OmniConfig, module_folder, repo_id_error
-from ..lora.base import weights_folder
-from ..modules.folder import adapter_config_with_base, module_paths
+from ..core.config import OmniConfig, repo_id_error
+from ..files.folder import adapter_config_with_base, module_paths
+from ..files.lora_base import weights_folder
+from ..files.module_folder import module_folder
 from .cards import composition_card, module_card, read_summary
 from .checkpoint_push import folder_operations
 from .commit import commit
-from .ids import LAYOUTS
+from .ids import HUB_LAYOUTS
 from .link import rebuilds_from_origin
 from .pipeline_push import pipeline_export, push_pipeline
 from .released_push import push_released, released_files
@@ -46,8 +47,8 @@ class ModulePush:
 def plan_modules(root: str | None, config: OmniConfig, repo_id: str, layout: str, overrides: dict | None
                  ) -> list[ModulePush]:
     """What happens to every module, checked before anything is sent (errors name the module and key)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"hub_layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in HUB_LAYOUTS:
+        raise ValueError(f"hub_layout must be one of {HUB_LAYOUTS}, got {layout!r}")
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(config.module_names))
     if unknown:

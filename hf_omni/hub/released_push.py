@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import ADOPTED_FILE, RELEASED_FOLDER, OmniConfig
-from ..modules.folder import module_paths
+from ..core.config import ADOPTED_FILE, RELEASED_FOLDER, OmniConfig
+from ..files.folder import module_paths
 from .checkpoint_push import folder_operations
 from .commit import commit
 

@@ -1,5 +1,5 @@
 """A LoRA module (PEFT adapters injected in place): its adapter's tensors and keys, the base model's keys, loading an
-adapter saved beside the weights, and merging (PEFT's `merge_and_unload` on a plain copy) for exports."""
+adapter saved beside the weights."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..compat import adopt_loaded_adapter, own_tensors
-from ..formats.interface import format_of
+from ..compat import adopt_loaded_adapter
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,48 +44,6 @@ def adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> dic
     for key, value in get_peft_model_state_dict(module, state_dict=state).items():
         out[PEFT_PREFIX + key + (".weight" if key.endswith("lora_magnitude_vector") else "")] = value
     return out
-
-
-def merged_module(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A plain copy of a LoRA module with every adapter merged by PEFT itself (`merge_and_unload`: LoRA on Linear,
-    Embedding and Conv layers, DoRA, rsLoRA, `modules_to_save`), built from its full `state` on CPU."""
-    import copy
-
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-
-    plain = format_of(module).empty_copy(module)
-    # copies: the merge writes into the base weights, which must not be the live module's
-    plain.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in base_state_dict(state).items()},
-                          assign=True)
-    if hasattr(plain, "tie_weights"):
-        plain.tie_weights()  # each name was assigned its own copy: tied weights one again, so the merge reaches all
-    peft_model = get_peft_model(plain, copy.deepcopy(lora_config_of(module)))
-    adapter = get_peft_model_state_dict(module, state_dict=state)
-    result = set_peft_model_state_dict(peft_model, {PEFT_PREFIX + k: v for k, v in adapter.items()})
-    if result.unexpected_keys:
-        raise ValueError(f"merging LoRA: PEFT did not take {result.unexpected_keys[:5]}")
-    untie_adapted_halves(peft_model)
-    return peft_model.merge_and_unload()
-
-
-def untie_adapted_halves(peft_model: nn.Module) -> None:
-    """A tied weight with an adapter on one of its holders only (LoRA on the input embeddings, the tied output
-    layer without one): training changed one side alone, so a merge into the one tensor would change the other
-    side too. Those holders get their own copy before the merge, and the export's config stops tying them."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    adapted = {id(layer.get_base_layer()) for layer in peft_model.modules() if isinstance(layer, BaseTunerLayer)}
-    holders: dict[int, list[tuple[nn.Module, dict, str]]] = {}
-    for sub in peft_model.modules():
-        for table, attr, param in own_tensors(sub, buffers=False):
-            holders.setdefault(id(param), []).append((sub, table, attr))
-    for group in holders.values():
-        touched = [id(sub) in adapted for sub, _, _ in group]
-        if len(group) > 1 and any(touched) and not all(touched):
-            for (_, table, attr), is_adapted in zip(group, touched):
-                if not is_adapted:
-                    table[attr] = nn.Parameter(table[attr].detach().clone(), requires_grad=table[attr].requires_grad)
-            peft_model.get_base_model().config.tie_word_embeddings = False
 
 
 def has_adapter(folder: str) -> bool:

@@ -8,7 +8,7 @@ import logging
 from torch import nn
 
 from ..compat import inject_lora
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
 from .adapters import lora_config_of
 
 logger = logging.getLogger(__name__)

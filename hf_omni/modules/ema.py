@@ -20,7 +20,8 @@ import contextlib
 
 import torch
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
+from ..core.refusals import RESOLVED, refusal
 
 EMA_JSON = "ema.json"
 # diffusers.training_utils.EMAModel's fields and defaults (power: 2 / 3, the 0.667)
@@ -153,3 +154,10 @@ def swapped_in(emas: list):
     finally:
         for ema in swapped:
             ema.swap()
+
+
+@refusal(RESOLVED)
+def refuse_export_without_ema(model, args) -> None:
+    for name, slot in model.slots.items():
+        if slot.args.trainable and slot.args.export_ema and slot.args.ema is None:
+            raise OmniArgumentError(name, "export_ema", "exports the EMA weights: set `ema` too")

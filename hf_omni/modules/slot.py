@@ -5,7 +5,7 @@ offline encoder). `OmniModel` owns one slot per module; every other part asks th
     BUILT ──────────────────────────────────────────────► WRAPPED   (prepared: its strategy applied)
     PENDING (empty_init: on meta, weights in a folder) ──► BUILT     (read whole: to encode its offline cache)
                                                        └─► WRAPPED   (sharded on meta, then each rank reads its rows)
-    BUILT | PENDING ─────────────────────────────────────► RELEASED  (offline: on meta for good, its outputs cached)
+    BUILT | PENDING ─────────────────────────────────────► OFFLINE   (on meta for good, its outputs cached)
 
 A PENDING module may be pointed at another folder (a checkpoint to resume from) before it is read; a module WRAPPED
 with nothing applied (no process group) may be prepared again.
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..config import ModuleEntry
+from ..core.config import ModuleEntry
 from .precision import Precision
 
 if TYPE_CHECKING:  # annotations only: the slot holds them, the layers above build them
@@ -29,20 +29,21 @@ if TYPE_CHECKING:  # annotations only: the slot holds them, the layers above bui
     from ..arguments.module import ModuleArguments
     from ..checkpoint.module_state import ModuleState
     from ..offline.spec import OfflineEncoder
-    from .ema import ModuleEMA
+    from ..parallel.dims import ModuleDims
     from ..parallel.strategy import Strategy
+    from .ema import ModuleEMA
 
 
 class Stage(enum.Enum):
     BUILT = "built"
     PENDING = "pending weights"
-    RELEASED = "released"
+    OFFLINE = "offline"
     WRAPPED = "wrapped"
 
 
-NEXT = {Stage.BUILT: {Stage.WRAPPED, Stage.RELEASED}, Stage.PENDING: {Stage.PENDING, Stage.BUILT, Stage.WRAPPED,
-                                                                     Stage.RELEASED},
-        Stage.RELEASED: set(), Stage.WRAPPED: set()}
+NEXT = {Stage.BUILT: {Stage.WRAPPED, Stage.OFFLINE}, Stage.PENDING: {Stage.PENDING, Stage.BUILT, Stage.WRAPPED,
+                                                                     Stage.OFFLINE},
+        Stage.OFFLINE: set(), Stage.WRAPPED: set()}
 
 
 @dataclass(eq=False)
@@ -56,6 +57,8 @@ class ModuleSlot:
     weights: str | None = None  # PENDING: the folder its weights are read from
     args: "ModuleArguments | None" = None  # its resolved arguments (set by the plugin, never changed after)
     settings: object | None = None  # its strategy's typed settings, parsed once from `args` (None: it has none)
+    dims: "ModuleDims | None" = None  # its parallel dimensions, for a strategy that takes a mesh (`parallel.dims`)
+    layouts: list = field(default_factory=list)  # its layouts, one instance each (`parallel.layout`), when prepared
     trains: bool = False  # set when prepared: something in it still requires grad after freezing and LoRA
     strategy: "Strategy | None" = None  # WRAPPED: its strategy (none, ddp, fsdp, a registered one)
     encoder: "OfflineEncoder | None" = None  # `offline_modules`: its `@offline_encoder` spec
@@ -93,9 +96,9 @@ class ModuleSlot:
             self._move(Stage.WRAPPED)
         self.strategy, self.weights = strategy, None
 
-    def released(self) -> None:
+    def go_offline(self) -> None:
         """Every tensor moves to the meta device for good (the Parameter objects stay; their data is dropped)."""
-        self._move(Stage.RELEASED)
+        self._move(Stage.OFFLINE)
         self.module.to("meta")
         self.weights = None
 
@@ -104,13 +107,13 @@ class ModuleSlot:
         return self.stage is Stage.PENDING
 
     @property
-    def is_released(self) -> bool:
-        return self.stage is Stage.RELEASED
+    def is_offline(self) -> bool:
+        return self.stage is Stage.OFFLINE
 
     @property
     def kind(self) -> str:
         """How it runs: its strategy's name, "offline", or "none" before it is prepared."""
-        if self.is_released:
+        if self.is_offline:
             return "offline"
         return self.strategy.name if self.strategy is not None else "none"
 

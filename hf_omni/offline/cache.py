@@ -24,9 +24,9 @@ import torch
 from ..checkpoint.marker import read_json
 from ..checkpoint.shard_writer import raw_bytes
 from ..compat import dataset_fingerprint
-from ..dist import agreed, is_main, rank, world_size
-from ..formats.interface import format_of
-from ..progress import each
+from ..core.dist import agreed, is_main, rank, world_size
+from ..core.progress import each
+from ..files.format import format_of
 from .ragged import row_counts, split_rows
 
 MANIFEST = "manifest.json"

@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
+from ..core.refusals import RESOLVED, refusal
 from .missing_modality import call_entry_point
 from .spec import RAGGED, OfflineEncoder, offline_encoders
 
@@ -59,6 +60,11 @@ def offline_encoder(module: str, inputs: list[str], output: str, ragged: str | N
         return method
 
     return mark
+
+
+@refusal(RESOLVED)
+def refuse_offline_modules(model, args) -> None:
+    check_offline_modules(model, list(args.offline_modules or []))
 
 
 def check_offline_modules(model, offline: list[str]) -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist import all_gather_host, checkpoint_group, rank, world_size
-from ..dtypes import CODES
+from ..core.dist import all_gather_host, checkpoint_group, rank, world_size
+from ..core.dtypes import CODES
 
 MAX_DIMS = 8
 

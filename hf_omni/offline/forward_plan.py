@@ -25,7 +25,7 @@ import inspect
 import weakref
 from dataclasses import dataclass
 
-from ..dist import world_size
+from ..core.dist import world_size
 from . import exchange
 from .ragged import stand_in
 

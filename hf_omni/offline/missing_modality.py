@@ -38,11 +38,11 @@ import weakref
 import torch
 
 from ..compat import queue_backward_callback
-from ..dist import rank
+from ..core.dist import rank
 from . import exchange, window
 from .exchange import given, partly_given, wrong_value
 from .forward_plan import PLAN, runs_collectives, share_forward
-from .ragged import empty_form, items_of, stand_in
+from .ragged import empty_form, items_of
 from .spec import class_encoders
 
 PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 0-row outputs its forward must keep
@@ -66,7 +66,7 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     present = [c for c, v in inputs.items() if given(v)]
     error = failure or partly_given(spec, inputs)
     prepared = model.prepared
-    if model.slots[spec.module].is_released:  # ranks given cached outputs never call it: no exchange
+    if model.slots[spec.module].is_offline:  # ranks given cached outputs never call it: no exchange
         if error is not None:
             raise ValueError(error)
         if present:
@@ -197,7 +197,7 @@ def before_forward(model, args: tuple, kwargs: dict) -> None:
     if not runs_collectives(model):
         return None
     specs = class_encoders(type(model))
-    offline = [s for s in specs if model.slots[s.module].is_released]
+    offline = [s for s in specs if model.slots[s.module].is_offline]
     online = [s for s in specs if s not in offline]
     planned = window.take(model, args, kwargs, offline, online)  # agreed for the window or `generate` call, or
     planned = planned if planned is not None else window.in_call(model, args, kwargs, offline, online)  # now

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from ..dist import agreed, broadcast_from_main, is_main
+from ..core.dist import agreed, broadcast_from_main, is_main
 
 logger = logging.getLogger("hf_omni")
 

@@ -10,10 +10,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..dist import agreed, broadcast_from_main, checkpoint_group, has_process_group, is_main, world_size
-from ..errors import OmniArgumentError
-from ..modules.folder import write_frozen_source
-from ..modules.weights import fill_module
+from ..core.dist import agreed, broadcast_from_main, checkpoint_group, has_process_group, is_main, world_size
+from ..core.errors import OmniArgumentError
+from ..files.folder import write_frozen_source
+from ..files.weights import fill_module
 from .cache import Cache, changes, fingerprint, read_manifest, write_cache
 
 ENCODE_ONLY = "HF_OMNI_ENCODE_ONLY"  # set by `hf-omni encode`: OmniTrainer.train() encodes, then the run ends
@@ -98,7 +98,7 @@ def serve_from_caches(model, datasets: dict, cache_dir: str, mode: str, collator
             slot.record_source(folder)
         write_frozen_source(slot, output_dir, group)  # built in memory: written once, its source
         unkernelize_holders(model, slot.module)
-        slot.released()
+        slot.go_offline()
     return {split: CachedRows(dataset, served[split]) for split, dataset in datasets.items()}
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist import all_gather_host, checkpoint_group, rank
+from ..core.dist import all_gather_host, checkpoint_group, rank
 from . import exchange
 from .forward_plan import forward_groups, read_plan, runs_collectives
 from .spec import class_encoders
@@ -56,7 +56,7 @@ class Window:
 
 def split_specs(model) -> tuple[list, list]:
     specs = class_encoders(type(model))
-    offline = [s for s in specs if model.slots[s.module].is_released]
+    offline = [s for s in specs if model.slots[s.module].is_offline]
     return offline, [s for s in specs if s not in offline]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..compat import scaler_device, scaler_state
-from ..dist import checkpoint_group, world_size
+from ..core.dist import checkpoint_group, world_size
 
 
 def grad_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -14,7 +14,7 @@ from transformers.training_args import OptimizerNames
 
 from ..arguments.module import ModuleArguments
 from ..compat import decay_parameter_names, scaler_state, scheduler_step_count, set_scheduler_step_count
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
 from .gradients import share_found_inf
 
 

@@ -4,5 +4,4 @@ registered by name and applied by the ordered `driver`, on per-module device mes
 package registers them all."""
 
 from . import ddp, experts, fsdp, none, tensor  # noqa: F401 (each registers its strategy or layout)
-from .registry import register_strategy  # noqa: F401
-from .strategy import strategy_names  # noqa: F401
+from .strategy import register_strategy, strategy_names  # noqa: F401

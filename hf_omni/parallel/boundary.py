@@ -1,5 +1,6 @@
-"""The boundary of a tensor-parallel module: the rest of the composed model is data parallel over every rank (each
-its own rows), while a tensor-parallel module's ranks must run one batch together. So the ranks of one TP group
+"""The row boundary of a layout whose group runs one batch together (tensor parallelism, `tensor.py`): the rest of
+the composed model is data parallel over every rank (each its own rows), while the module's group must run one batch
+together. So the ranks of one TP group
 gather their row inputs (the module runs once on the group's concatenated rows) and each keeps its own rows of the
 row outputs.
 
@@ -22,9 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
 
-KEY = "parallelism.tp_size"
 ROWS = ("inputs_embeds", "input_ids")  # what gives the rows where present (a (1, seq) position_ids does not)
 NO_ROWS, TOO_MANY = -2, -3  # what a rank sends in place of its rows when it cannot describe them
 SHAPES = 64  # ints of shape metadata each rank sends (rows, then each row tensor's dims)
@@ -65,12 +65,14 @@ class KeepRows(torch.autograd.Function):
 
 
 class Boundary:
-    """Hooks around a tensor-parallel module's forward and its input embeddings' (which a composed forward calls
+    """Hooks around a split module's forward and its input embeddings' (which a composed forward calls
     first): only the outermost call gathers (the module's own call of its embeddings runs on gathered rows)."""
 
-    def __init__(self, module_name: str, tp_mesh):
-        self.module_name, self.group = module_name, tp_mesh.get_group()
-        self.me, self.size = tp_mesh.get_local_rank(), tp_mesh.size()
+    def __init__(self, module_name: str, mesh, key: str, name: str):
+        """`mesh`: the group's 1-D mesh; `key`: the setting errors name (`parallelism.tp_size`); `name`: the
+        group's, in messages (`tensor-parallel`)."""
+        self.module_name, self.key, self.name, self.group = module_name, key, name, mesh.get_group()
+        self.me, self.size = mesh.get_local_rank(), mesh.size()
         self.depth, self.sizes = 0, None
 
     def install(self, *modules: nn.Module) -> None:
@@ -79,7 +81,7 @@ class Boundary:
             module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
 
     def refuse(self, what: str) -> OmniArgumentError:
-        return OmniArgumentError(self.module_name, KEY, what)
+        return OmniArgumentError(self.module_name, self.key, what)
 
     def before(self, module, args, kwargs):
         self.depth += 1
@@ -106,11 +108,11 @@ class Boundary:
         failed = [(rank, int(other[0])) for rank, other in enumerate(every) if int(other[0]) < 0]
         if failed:
             rank, code = failed[0]
-            raise self.refuse(f"rank {rank} of its tensor-parallel group " + (
+            raise self.refuse(f"rank {rank} of its {self.name} group " + (
                 "called it with no row tensor (its forward takes its rows as tensors)" if code == NO_ROWS else
                 f"called it with more row inputs than the boundary describes ({SHAPES} ints)"))
         if any(not torch.equal(other[1:], meta[1:]) for other in every):
-            raise self.refuse(f"the ranks of one tensor-parallel group call it with row inputs {keys} whose other "
+            raise self.refuse(f"the ranks of one {self.name} group call it with row inputs {keys} whose other "
                               "dims (or number) differ (pad them to one length across the group)")
         self.sizes = [int(other[0]) for other in every]
         gathered = {k: GatherRows.apply(dict(named)[k], self.group, self.sizes, self.me) for k in keys}
@@ -138,7 +140,7 @@ class Boundary:
             return value
         if isinstance(value, (tuple, list)):
             return type(value)(self._keep(v, f"{key}[{i}]") for i, v in enumerate(value))
-        raise self.refuse(f"its {key} is a {type(value).__name__}, which the tensor-parallel boundary cannot split "
+        raise self.refuse(f"its {key} is a {type(value).__name__}, which the {self.name} boundary cannot split "
                           "by rows (a cache: pass use_cache=False)")
 
 
@@ -154,12 +156,12 @@ def takes_use_cache(module: nn.Module) -> bool:
     return _signature_has_use_cache(type(module).forward)
 
 
-def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...]) -> None:
+def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...], key: str, name: str) -> None:
     """Methods other than `forward` that a composed forward may call (`generate`, ...) have no boundary yet: each
     present one raises, naming the module and key, when called."""
     for method in methods:
         if callable(getattr(root, method, None)):
             def refused(*args, _method=method, **kwargs):
-                raise OmniArgumentError(module_name, KEY, f"`{_method}` of a tensor-parallel module is not supported "
+                raise OmniArgumentError(module_name, key, f"`{_method}` of a {name} module is not supported "
                                         "yet (only `forward` and its input embeddings have the row boundary)")
             setattr(root, method, refused)

@@ -19,10 +19,10 @@ from torch import nn
 from ..compat import composable_replicate
 from ..modules.units import roots_of, run_roots
 from .loose import replicate_loose
-from .strategy import Strategy, register
+from .strategy import Strategy, register_strategy
 
 
-@register
+@register_strategy
 class DdpStrategy(Strategy):
     """Replicated over all ranks with DDP's keyword arguments (`find_unused_parameters`, `bucket_cap_mb`, ...)."""
 

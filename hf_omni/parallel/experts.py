@@ -22,8 +22,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import apply_expert_plan, expert_parallel_plan
-from ..errors import OmniArgumentError
-from .layouts import Layout, register_layout
+from ..core.errors import OmniArgumentError
+from .layout import Layout, register_layout
 from .placement import shard_dim
 
 KEY = "parallelism.ep_size"
@@ -33,11 +33,18 @@ DISPATCH = "ep_dispatch_experts"  # the plan's style of an experts module (token
 
 @register_layout
 class ExpertLayout(Layout):
-    size_key = "ep_size"
+    name = "ep"
+    description = "expert parallelism"
+    dim = None  # experts on a mesh of their own over the same ranks: `mesh()`
+    divides = ("dp_shard_size", "tp_size")
+    divides_why = ("set dp_shard_size: with ep_size the entry names every size) (transformers' DistributedConfig "
+                   "rule: experts are spread inside the shard group, never over more ranks")
+    excludes = ("tp_size",)
+    lora = "PEFT's adapters on fused experts would need splitting by expert ranges like the experts"
 
     def plan(self, module: nn.Module) -> dict:
         try:
-            return expert_parallel_plan(module, self.size("ep_size"), self.size("dp_shard_size"),
+            return expert_parallel_plan(module, self.size(), self.size("dp_shard_size"),
                                         self.size("dp_replicate_size"))
         except ValueError as err:  # transformers' own sizing rule; "... has no `ep_plan`": refused by `check`
             if "ep_plan" in str(err):
@@ -45,7 +52,7 @@ class ExpertLayout(Layout):
             raise OmniArgumentError(self.module_name, KEY, str(err)) from None
 
     def check(self, module: nn.Module) -> None:
-        plan, ep = self.plan(module), self.size("ep_size")
+        plan, ep = self.plan(module), self.size()
         if not any(style == DISPATCH for style in plan.values()):
             raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has no expert-parallel plan "
                                     "(transformers' `config.base_model_ep_plan`): use dp_shard_size / "
@@ -58,7 +65,7 @@ class ExpertLayout(Layout):
 
     def mesh(self):
         """`(dp_replicate?, efsdp, ep, batch)` over every rank; `batch`: the ranks holding one batch (this one)."""
-        replicate, ep = self.size("dp_replicate_size"), self.size("ep_size")
+        replicate, ep = self.size("dp_replicate_size"), self.size()
         shape = (self.size("dp_shard_size") // ep, ep, 1)
         names = ("efsdp", "ep", "batch")
         if replicate > 1:

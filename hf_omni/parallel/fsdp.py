@@ -9,9 +9,9 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
   does not claim to be a root itself; methods other than `forward` that the composed forward calls
   (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
-- Layouts the module's `parallelism` sizes ask for (`layouts.py`; `tp_size`: `tensor.py`, `ep_size`: `experts.py`)
-  split it first (on their own mesh dim, or mesh); FSDP2 then shards the rest over the data-parallel dims only, and
-  each layout installs its boundary after.
+- The layouts the module's `parallelism` sizes ask for (`layout.py`) split it first, on their own dim of its mesh
+  or a mesh of their own (`driver.apply_layouts`); FSDP2 then shards the rest over the data dims only (each layout
+  shards first what it split on a mesh of its own), and each layout installs its boundary after.
 """
 
 from __future__ import annotations
@@ -20,20 +20,17 @@ import torch
 from torch import nn
 
 from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, mark_sharded, own_tensors
-from ..errors import OmniArgumentError
-from ..modules.classes import embeddings_of
+from ..core.errors import OmniArgumentError
+from ..formats.transformers_classes import embeddings_of
 from ..modules.units import RootedModule, roots_of, run_roots
-from .fsdp_settings import FsdpSettings, build_plugin
 from . import placement
-from .layouts import data_mesh, layouts_for
+from .fsdp_settings import FsdpSettings, build_plugin
+from .layout import own_dims
 from .loose import replicate_loose
-from .strategy import MODEL_SCOPE, Strategy, register
-
-FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
-                   "get_video_features", "encode", "decode")
+from .strategy import FORWARD_METHODS, MODEL_SCOPE, Strategy, register_strategy
 
 
-@register
+@register_strategy
 class FsdpStrategy(Strategy):
     """FSDP2 over `mesh` (full shard; HSDP on a 2-D mesh; default: all ranks) with the module's own Accelerate
     plugin. `lazy_init=False`: the module is on the meta device, filled after sharding (`fsdp_lazy_init_root` then)."""
@@ -47,7 +44,8 @@ class FsdpStrategy(Strategy):
     def __init__(self, module_name: str, settings: FsdpSettings, mesh=None, lazy_init: bool = True,
                  compute: torch.dtype | None = None):
         super().__init__(module_name, settings, mesh)
-        self.layouts = []  # what `parallelism` composes under FSDP2 (tensor parallelism), set by `for_module`
+        self.layouts = []  # the module's layouts (`slot.layouts`): what they shard first on a mesh of their own
+        self.data_mesh = mesh  # what FSDP2 shards over: the mesh without the layouts' own dims
         self.lazy_init = lazy_init
         self.compute = compute  # the run's compute dtype (bf16: parameters gathered in bf16 unless set otherwise)
         self.plugin = self.module = self.loose = None
@@ -56,7 +54,8 @@ class FsdpStrategy(Strategy):
     def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "FsdpStrategy":
         compute = slot.precision.compute if slot.precision is not None else None
         strategy = cls(slot.name, slot.settings, mesh, lazy_init, compute)
-        strategy.layouts = layouts_for(slot.name, slot.args.parallelism, meshes)
+        if slot.dims is not None:
+            strategy.layouts, strategy.data_mesh = slot.layouts, slot.dims.data_mesh(mesh)
         return strategy
 
     @classmethod
@@ -84,15 +83,10 @@ class FsdpStrategy(Strategy):
         return torch.device("cpu") if self.settings.cpu_offload else device
 
     def apply(self, module: nn.Module, device: torch.device) -> None:
-        for layout in self.layouts:  # every refusal before anything is split
-            layout.check(module)
-        for layout in self.layouts:
-            layout.apply(module, self.mesh)
+        """Shard `module` (already split by its layouts, `driver.apply_layouts`) over the data dims of its mesh."""
         self.plugin = build_plugin(module, self.module_name, self.settings, self.compute)
-        shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init,
-              mesh=data_mesh(self.mesh, self.layouts), layouts=self.layouts)
-        for layout in self.layouts:
-            layout.after_fsdp(module, self.mesh, FORWARD_METHODS)
+        shard(module, self.module_name, self.plugin, device, lazy_init=self.lazy_init, mesh=self.data_mesh,
+              layouts=self.layouts)
         self.loose = replicate_loose(module)  # an adopted module's paths that name tensors: whole on every rank
         self.module = module
         for model in [*run_roots(module), getattr(module, "omni_released", None)]:  # `generate` with synced_gpus
@@ -128,7 +122,12 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
     from accelerate.utils import get_module_children_bottom_up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
-        CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
     )
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
@@ -227,10 +226,13 @@ def check_ties_within_units(module: nn.Module, name: str, grouped: dict[int, int
 
 
 def in_unit(module: nn.Module) -> bool:
-    """Its parameters are in an FSDP unit already (DTensors on more than a tensor-parallel mesh)."""
+    """Its parameters are in an FSDP unit already (DTensors on more than a layout's own dims: a tensor-parallel split
+    alone is no unit)."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) and p.device_mesh.mesh_dim_names != ("tp",) for p in module.parameters())
+    own = own_dims()
+    return any(isinstance(p, DTensor) and not set(p.device_mesh.mesh_dim_names or ()) <= own
+               for p in module.parameters())
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import no_split_modules
-from ..errors import OmniArgumentError
-from ..keys import check_field, declared, key
+from ..compat import fsdp_ignored_params, no_split_modules
+from ..core.errors import OmniArgumentError
+from ..core.keys import check_field, declared, key
+from ..core.refusals import TUNED, refusal
 
 MIXED_PRECISION_NAMES = ("no", "bf16", "fp16")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
@@ -159,3 +160,32 @@ def build_plugin(module: nn.Module, name: str, settings: FsdpSettings, compute: 
             return FullyShardedDataParallelPlugin(**kwargs)
     except (ValueError, TypeError) as err:
         raise OmniArgumentError(name, "fsdp_plugin", str(err)) from None
+
+
+@refusal(TUNED)
+def check_ignored_modules(model, args) -> None:
+    """After freezing and LoRA, before any wrap or compute: FSDP leaves `fsdp_plugin.ignored_modules` unsharded and
+    never reduces their gradients, so a submodule there with a parameter that trains would be stepped by each rank
+    on its own gradient (the replicas diverge) and crash the first clip (plain tensors beside DTensors): refused,
+    naming the module (none under `fsdp_scope: model`, whose one plugin is the top level's), the key and the
+    parameters. Frozen submodules (a frozen tower's, a LoRA base's) may be ignored."""
+    if args.fsdp_scope == "model":
+        ignored = args.fsdp_plugin.get("ignored_modules") if isinstance(args.fsdp_plugin, dict) else None
+        refuse_trained(None, model, ignored)
+        return
+    for name, slot in model.slots.items():
+        if slot.args is not None and slot.args.parallel == "fsdp":
+            refuse_trained(name, slot.module, getattr(slot.settings, "ignored_modules", None))
+
+
+def refuse_trained(name: str | None, module, ignored) -> None:
+    if ignored is None:
+        return
+    params = fsdp_ignored_params(ignored, module, None)
+    trained = [n for n, p in module.named_parameters() if p.requires_grad and p in params]
+    if trained:
+        shown = f"'{ignored}'" if isinstance(ignored, str) else repr(ignored)
+        raise OmniArgumentError(name, "fsdp_plugin.ignored_modules", f"{shown} holds parameters that train "
+                                f"({', '.join(trained[:3])}{', ...' if len(trained) > 3 else ''}): FSDP never "
+                                "reduces an ignored module's gradients, so each rank would step its own copy. "
+                                "Freeze those submodules, or leave them out of ignored_modules")

@@ -8,14 +8,15 @@ from __future__ import annotations
 from ..modules.units import roots_of
 
 
-def apply_order(slots: list, kinds: dict[str, str]) -> list:
-    """`slots` with deeper paths first (stable otherwise); marks each FSDP root nested in another's."""
-    roots = {slot.name: roots_of(slot.module) for slot in slots}
+def apply_order(plans: list) -> list:
+    """`plans` (the driver's, one per module) with deeper paths first (stable otherwise); marks each root of a
+    strategy that shards nested in another such root."""
+    roots = {id(item): roots_of(item.slot.module) for item in plans}
     if not any(roots.values()):
-        return slots
-    outer = [r.path for name, rs in roots.items() if kinds.get(name) == "fsdp" for r in rs]
-    for name, rs in roots.items():
-        for root in rs:
-            root.module.omni_fsdp_nested = kinds.get(name) == "fsdp" and any(
+        return plans
+    outer = [r.path for item in plans if item.strategy.shards for r in roots[id(item)]]
+    for item in plans:
+        for root in roots[id(item)]:
+            root.module.omni_fsdp_nested = item.strategy.shards and any(
                 root.path.startswith(path + ".") for path in outer)
-    return sorted(slots, key=lambda slot: -max((r.depth for r in roots[slot.name]), default=0))
+    return sorted(plans, key=lambda item: -max((r.depth for r in roots[id(item)]), default=0))

@@ -1,11 +1,11 @@
-"""The interface every parallel strategy implements, and the registry that finds one by its `parallel:` name.
+"""The interface every parallel strategy implements (`Strategy`), and its registry (`STRATEGIES`: `parallel:` values).
 
-A strategy owns everything about one layout: its settings (a dataclass of declared keys, parsed once from the
-module's `settings_key` entry), its mesh's shape, applying it to one module in place (the module keeps its class and
-methods), gradient sync inside accumulation windows, the dtype it computes in, where its shards are read into, and
-the module's full state. It is then kept in that module's slot: the driver, the checkpoint and the missing-modality
-exchange ask it, never its type. A new strategy is one file with a `Strategy` subclass and one registration
-(`hf_omni.register_strategy(name, cls)`, or `@register` inside hf_omni); nothing else names it.
+A strategy owns everything about one way of running a module across ranks: its settings (a dataclass of declared
+keys, parsed once from the module's `settings_key` entry), its mesh's shape, applying it to one module in place (the
+module keeps its class and methods), gradient sync inside accumulation windows, the dtype it computes in, where its
+shards are read into, and the module's full state. It is then kept in that module's slot: the driver, the
+checkpoint and the missing-modality exchange ask it, never its type. A new strategy is one file with a `Strategy`
+subclass and one registration (`hf_omni.register_strategy`); nothing else names it.
 """
 
 from __future__ import annotations
@@ -13,26 +13,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import OmniArgumentError
-from ..keys import declared, default_of
+from ..core.errors import OmniArgumentError
+from ..core.keys import declared, default_of
+from ..core.registry import Registry
 
-STRATEGIES: dict[str, type["Strategy"]] = {}
 MODEL_SCOPE = "(model)"  # the key of the one strategy over the composed model (`fsdp_scope: model`)
-
-
-def register(cls: type["Strategy"]) -> type["Strategy"]:
-    STRATEGIES[cls.name] = cls
-    return cls
+FORWARD_METHODS = ("generate", "get_image_features", "get_audio_features", "get_text_features",
+                   "get_video_features", "encode", "decode")  # what a composed forward may call on a module besides
+# `forward`: a strategy and a layout serve them too
 
 
 def strategy_names() -> tuple[str, ...]:
     """The values `parallel:` accepts (read when a value is checked: strategies registered later count)."""
-    return tuple(STRATEGIES)
+    return STRATEGIES.names()
 
 
 def settings_owner(key: str) -> type["Strategy"] | None:
     """The registered strategy whose settings the per-module key `key` holds (`fsdp_plugin`: fsdp's)."""
-    return next((cls for cls in STRATEGIES.values() if cls.settings_key == key), None)
+    return next((cls for cls in STRATEGIES if cls.settings_key == key), None)
+
+
+def settings_keys() -> set[str]:
+    """The per-module keys that hold a registered strategy's settings."""
+    return {cls.settings_key for cls in STRATEGIES if cls.settings_key}
 
 
 def check_settings(module: str | None, key: str, values: dict) -> None:
@@ -44,9 +47,8 @@ def check_settings(module: str | None, key: str, values: dict) -> None:
 
 def settings_tables() -> list[str]:
     """docs/configuration.md's table of each registered strategy's settings keys (from their declarations)."""
-
     rows = []
-    for cls in STRATEGIES.values():
+    for cls in STRATEGIES:
         if cls.settings_class is not None:
             rows += ["", f"| `{cls.settings_key}` key (`parallel: {cls.name}`) | default | what it does |",
                      "|---|---|---|"]
@@ -124,3 +126,13 @@ class Strategy:
         """`module`'s full state dict (every rank calls this; a sharded one is gathered to rank 0 only, the other
         ranks getting `{}`)."""
         return module.state_dict()
+
+
+STRATEGIES = Registry("strategy", Strategy, identifiers=True, label="`parallel: {name}`")
+
+
+def register_strategy(name_or_cls, cls: type[Strategy] | None = None) -> type[Strategy]:
+    """Make a `Strategy` subclass a `parallel:` value: `register_strategy(cls)` under its `name`,
+    `register_strategy(name, cls)`, or `@register_strategy`. Returns the class. Values are checked against the
+    registry when arguments are validated, so a name registered after `import hf_omni` is accepted."""
+    return STRATEGIES.register(name_or_cls, cls)

@@ -18,20 +18,27 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import apply_tensor_plan, tensor_parallel_plan
-from ..errors import OmniArgumentError
-from ..modules.classes import embeddings_of
+from ..core.errors import OmniArgumentError
+from ..formats.transformers_classes import embeddings_of
 from ..modules.units import roots_of, run_roots
-from .boundary import KEY, Boundary, refuse_methods
-from .layouts import Layout, register_layout
-
+from .boundary import Boundary, refuse_methods
+from .layout import Layout, register_layout
 
 STYLES = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}  # transformers' styles, as tested
 
 
+KEY = "parallelism.tp_size"
+GROUP = "tensor-parallel"
+
+
 @register_layout
 class TensorLayout(Layout):
-    size_key = "tp_size"
-    dim = "tp"
+    name = "tp"
+    description = "tensor parallelism"
+    dim = "model"
+    lora = "PEFT 0.21 fails on row-wise split layers; its column-wise adapters need one seeded init"
+    boundary = ("rows: the group's rows gathered at the module's inputs, each rank's own rows kept of its outputs "
+                "(backward: the reverse)")
 
     def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
         """(the model the plan is applied to, its plan): the module itself, or for an adopted model's module the
@@ -40,7 +47,7 @@ class TensorLayout(Layout):
         model = getattr(module, "omni_released", None) if roots else module
         if model is None:
             return module, {}
-        plan = tensor_parallel_plan(model, self.size("tp_size"), self.size("dp_shard_size"),
+        plan = tensor_parallel_plan(model, self.size(), self.size("dp_shard_size"),
                                     self.size("dp_replicate_size"))
         if roots:
             paths = [r.path for r in roots]
@@ -73,7 +80,7 @@ class TensorLayout(Layout):
     def apply(self, module: nn.Module, mesh) -> None:
         model, plan = self.split(module)
         ties = untie(model, plan)
-        apply_tensor_plan(model, mesh[self.dim], plan)
+        apply_tensor_plan(model, mesh[self.name], plan)
         for holder, attr, first, name in ties:
             owner, _, first_attr = first.rpartition(".")
             tied = getattr(model.get_submodule(owner), first_attr)
@@ -86,9 +93,9 @@ class TensorLayout(Layout):
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         embed = embeddings_of(module)
         roots = run_roots(module)  # an adopted model's module: each of its paths (its LLM, its `lm_head`)
-        Boundary(self.module_name, mesh[self.dim]).install(*roots, *([embed] if embed is not None else []))
+        Boundary(self.module_name, mesh[self.name], KEY, GROUP).install(*roots, *([embed] if embed is not None else []))
         for root in roots:
-            refuse_methods(self.module_name, root, methods)
+            refuse_methods(self.module_name, root, methods, KEY, GROUP)
 
 
 def untie(module: nn.Module, plan: dict) -> list[tuple[nn.Module, str, str, str]]:

@@ -124,9 +124,7 @@ there and back: `device.on_group_device`). gloo (CPU) has no all-to-all: torch a
     writes 1/T of them as a replica). Two dims off dim 0, or one cut by several mesh dims, are refused."""
     if not sharded_off_rows(tensor):
         return tensor
-    from torch.distributed.tensor import Shard
-
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
 
     dims = shard_dims(tensor)
     if 0 in dims:  # tensor parallelism's rowwise (Shard(0), Shard(1)): gathered over the mesh dims cutting the rest

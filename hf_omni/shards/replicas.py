@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import tree_flatten, tree_unflatten
-from ..dist import agreed, checkpoint_group, has_process_group, is_main, world_size
+from ..core.dist import agreed, checkpoint_group, has_process_group, is_main, world_size
 
 
 def _replicate_dims(tensor) -> list[int]:

@@ -3,7 +3,7 @@
 A read that waits for the device — `.item()`, `bool()` / `float()` of a tensor (`aten._local_scalar_dense`),
 `is_nonzero`, `nonzero`, `equal`, a copy from another device to the CPU, or `Tensor.tolist()` / `.numpy()` — is a host–device synchronisation on a GPU. Each one is attributed to the innermost Python frame
 outside torch: when that frame is in hf_omni (not `hf_omni/testing`), hf_omni made it; a read inside a model's own
-code or Trainer's is theirs. Not counted: reads under `hf_omni.dist.all_gather_host` (per-step metadata built on
+code or Trainer's is theirs. Not counted: reads under `hf_omni.core.dist.all_gather_host` (per-step metadata built on
 the host and read back as Python ints: host memory by construction) and under the logging hooks
 (`OmniTrainer.log`, `OmniPlugin.log_metrics`), which run at logging steps only. On a CPU run every tensor is "device
 memory", so the test is strict: no read of any tensor from hf_omni's frames at all. The authoritative GPU check is

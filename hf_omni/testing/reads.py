@@ -4,7 +4,7 @@ the page cache hide them from /proc/self/io, so "is each byte read once?" is ans
 from __future__ import annotations
 
 from ..compat import wrap_dcp_hf_read_request
-from ..modules import weights
+from ..files import weights
 
 
 def count_reads() -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..dist import checkpoint_group
+from ..core.dist import checkpoint_group
 from ..offline.modality_sampler import modality_sampler
 from ..offline.ragged import ServedCollator
 

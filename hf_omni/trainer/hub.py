@@ -19,8 +19,8 @@ import functools
 import logging
 import os
 
-from ..dist import RankFailure, share_failure
-from ..errors import OmniArgumentError
+from ..core.dist import RankFailure, share_failure
+from ..core.errors import OmniArgumentError
 from ..hub.pipeline_push import check_pipeline_layout
 from ..hub.push import plan_modules, push_saved
 from ..hub.released_push import check_released_layout

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ..errors import OmniArgumentError
+from ..core.errors import OmniArgumentError
 
 SHIFTS = {"ForCausalLM": True, "ForConditionalGeneration": True, "ForMaskedLM": False}  # loss_type -> shifts?
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..timing_marks import logged_steps
+from ..metrics.timing_marks import logged_steps
 
 
 class TimedSteps(TrainerCallback):

@@ -19,7 +19,7 @@ from transformers import Trainer
 from transformers.utils import can_return_loss, find_labels
 
 from ..arguments.training import OmniTrainingArguments
-from ..checkpoint import files as checkpoint_files
+from ..checkpoint import contents
 from ..checkpoint.resume import check_shared
 from ..checkpoint.rng import restore_rng_state, save_rng_state
 from ..hub.cards import write_summary
@@ -68,7 +68,7 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`resume_from_checkpoint=True`: the newest checkpoint with its marker; either is checked before any load."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpoint_files.newest_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = contents.newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
@@ -121,7 +121,7 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
         return super().get_test_dataloader(test_dataset)
 
     def _check_served(self, dataset) -> None:
-        released = [n for n, slot in self.model.slots.items() if slot.is_released]
+        released = [n for n, slot in self.model.slots.items() if slot.is_offline]
         if released and dataset is not None and not isinstance(dataset, (str, CachedRows)):
             raise ValueError(f"modules {released} are offline (on the meta device since train()): a dataset given "
                              "to evaluate() / predict() now has no cache; pass it as eval_dataset= before train()")
@@ -163,7 +163,7 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
         if not self.args.save_async:
             self.plugin.wait_for_save()  # the marker, after Trainer's own state
         if self.args.should_save:
-            checkpoint_files.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
+            contents.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
                                     busy=self.hub_push.busy(), bases=self.plugin.checkpointer.base_folders())
 
     def _load_best_model(self):
@@ -181,10 +181,10 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
 
     def _move_model_to_device(self, model, device):
         """Modules still on the meta device (`empty_init`) stay there: `OmniPlugin.prepare` fills them in place."""
-        if not any(slot.is_pending or slot.is_released for slot in model.slots.values()):
+        if not any(slot.is_pending or slot.is_offline for slot in model.slots.values()):
             return super()._move_model_to_device(model, device)
         for slot in model.slots.values():
-            if not slot.is_pending and not slot.is_released:
+            if not slot.is_pending and not slot.is_offline:
                 slot.module.to(device)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -15,8 +15,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import gradient_checkpointing_attributes
-from ..errors import OmniArgumentError
-from ..formats.interface import format_of
+from ..core.errors import OmniArgumentError
+from ..core.refusals import RESOLVED, refusal
+from ..files.format import format_of
 
 _UNSET = object()
 _FLAGS = gradient_checkpointing_attributes()
@@ -35,10 +36,11 @@ def check_activation_checkpointing(module: nn.Module, name: str) -> list[tuple[n
     return models
 
 
-def check_checkpointed_modules(model, module_args: dict) -> None:
+@refusal(RESOLVED)
+def check_checkpointed_modules(model, args) -> None:
     """Before any compute: each trained module asking for it has something to checkpoint (a module whose LoRA comes
     from the top level may yet be left frozen by it: checked when it is applied)."""
-    for name, margs in module_args.items():
+    for name, margs in ((name, slot.args) for name, slot in model.slots.items()):
         if margs.trainable and margs.activation_checkpointing and (not margs.lora or margs.lora_from_module):
             check_activation_checkpointing(model.slots[name].module, name)
 

@@ -29,3 +29,11 @@ def apply_training_mode(module: nn.Module, margs) -> bool:
     if trainable and margs.activation_checkpointing:
         apply_activation_checkpointing(module, margs)
     return trainable
+
+
+def apply_training_modes(slots: dict) -> list[str]:
+    """Freeze / LoRA / activation checkpointing of every module (`slots`: name -> its slot, its `args` resolved);
+    returns the modules that still train."""
+    for slot in slots.values():
+        slot.trains = apply_training_mode(slot.module, slot.args)
+    return [name for name, slot in slots.items() if slot.trains]

@@ -18,13 +18,13 @@ from checkpoint_scenario import make_trainer
 from transformers import TrainerState
 
 import hf_omni.checkpoint.bases as bases
-import hf_omni.checkpoint.files as files
+import hf_omni.checkpoint.contents as contents
 import hf_omni.checkpoint.marker as marker
 import hf_omni.checkpoint.module_state as module_state
-import hf_omni.checkpoint.pipeline as save_pipeline
+import hf_omni.checkpoint.async_save as async_save_module
 import hf_omni.checkpoint.writer_process as writer_process
 import hf_omni.cli
-import hf_omni.modules.folder_write as module_io
+import hf_omni.files.folder_write as module_io
 from hf_omni.checkpoint.checkpointer import ModuleCheckpointer
 from hf_omni.modeling import OmniModel
 from hf_omni.trainer.trainer import OmniTrainer
@@ -111,7 +111,7 @@ def in_writer_thread_of_ckpt10():
         return original(self, directory, *args, **kwargs)
 
     ModuleCheckpointer.save = save
-    kill_on_call(save_pipeline, "copy_to_cpu", lambda call, args: "checkpoint-10" in str(saving[0])
+    kill_on_call(async_save_module, "copy_to_cpu", lambda call, args: "checkpoint-10" in str(saving[0])
                  and threading.current_thread().name.startswith("hf_omni_save"))
 
 
@@ -200,7 +200,7 @@ def main(out_dir: str):
         complete = [os.path.basename(p) for p in marker.complete_checkpoints(run)]
         checked = []
         for path in marker.complete_checkpoints(run):  # a marker never stands beside missing or partial files
-            files.check_complete(path)
+            contents.check_complete(path)
             checked.append(os.path.basename(path))
 
         def resumed():

@@ -12,20 +12,20 @@ import traceback
 from checkpoint_scenario import make_trainer
 
 import hf_omni.checkpoint.resume
-import hf_omni.modules.folder_write
+import hf_omni.files.folder_write
 from launching import end_distributed
 
 
 def fail_writing_on_rank0_at_step4():
     """Rank 0's writes of its rows of the step-4 checkpoint's weights files fail (pwrite: ENOSPC)."""
-    original = hf_omni.modules.folder_write.Files.write
+    original = hf_omni.files.folder_write.Files.write
 
     def write(self, name, offset, data):
         if "checkpoint-4" in self.folder and os.environ.get("RANK", "0") == "0" and name.endswith(".safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.folder, name))
         return original(self, name, offset, data)
 
-    hf_omni.modules.folder_write.Files.write = write
+    hf_omni.files.folder_write.Files.write = write
 
 
 def fail_reading_on_rank1():

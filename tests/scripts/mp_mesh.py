@@ -19,7 +19,7 @@ from mp_scenarios import sharding_facts
 
 from hf_omni import OmniTrainer
 from hf_omni.compat import group_timeout
-from hf_omni.dist import checkpoint_group
+from hf_omni.core.dist import checkpoint_group
 from hf_omni.testing.collectives import ReceivedBytes
 from launching import end_distributed
 

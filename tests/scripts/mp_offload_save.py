@@ -54,7 +54,7 @@ def prepared(out_dir: str, lora: bool = True):
 def exports(composed, out_dir: str) -> dict:
     """The merged export read back with transformers against PEFT's own merge of the gathered module (the plain
     save runs too: its files are other tests' subject)."""
-    from hf_omni.lora.adapters import merged_module
+    from hf_omni.files.peft_merge import merged_module
 
     merged = os.path.join(out_dir, "merged")
     composed.save_pretrained(os.path.join(out_dir, "saved"))
@@ -113,7 +113,7 @@ def devices(composed, out_dir: str) -> dict:
 
 def failure(out_dir: str) -> dict:
     """The module without LoRA: 4 derived groups, converted by ranks 0, 1, 0, 1."""
-    import hf_omni.modules.folder_derived as derived
+    import hf_omni.files.folder_derived as derived
 
     plugin, composed = prepared(os.path.join(out_dir, "plain"), lora=False)
     original, calls = derived.weights_keys, [0]

@@ -37,7 +37,7 @@ digests.PIECE = 2**20  # files hashed in pieces of 1 MiB (`verify_checkpoint`): 
 
 
 TIMEOUT = 321  # ddp_timeout, seconds
-SIDE_GROUPS = []  # (thread name, timeout) of every group hf_omni.dist creates
+SIDE_GROUPS = []  # (thread name, timeout) of every group hf_omni.core.dist creates
 
 
 def count_side_groups() -> None:
@@ -46,7 +46,7 @@ def count_side_groups() -> None:
     original = dist.new_group
 
     def new_group(*args, **kwargs):
-        if sys._getframe(1).f_globals.get("__name__") == "hf_omni.dist":
+        if sys._getframe(1).f_globals.get("__name__") == "hf_omni.core.dist":
             timeout = kwargs.get("timeout")
             SIDE_GROUPS.append((threading.current_thread().name, timeout.total_seconds() if timeout else None))
         return original(*args, **kwargs)
@@ -153,7 +153,7 @@ def folder_mismatches(folder: str, slot, state: dict, max_shard_size: str = "50G
 
     from safetensors import safe_open
 
-    from hf_omni.modules.classes import original_class, save_view
+    from hf_omni.formats.transformers_classes import original_class, save_view
 
     problems = []
     with tempfile.TemporaryDirectory() as reference:
@@ -257,7 +257,7 @@ def merged_lora_export(out_dir: str) -> dict:
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from hf_omni.lora.adapters import merged_module
+    from hf_omni.files.peft_merge import merged_module
 
     out = os.path.join(out_dir, "lora")
     plugin = OmniPlugin(modules=LORA, defaults={"learning_rate": 1e-2}, output_dir=out)
@@ -285,7 +285,7 @@ def moe_rows(out_dir: str) -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from hf_omni import OmniModel
-    from hf_omni.modules import weights
+    from hf_omni.files import weights
 
     folder = os.path.join(out_dir, "moe")
     if dist.get_rank() == 0:

@@ -35,7 +35,7 @@ from transformers import GenerationMixin, TrainerCallback
 
 import hf_omni.offline.missing_modality as missing_modality
 from hf_omni import OmniPlugin, OmniTrainer
-from hf_omni.dist import checkpoint_group
+from hf_omni.core.dist import checkpoint_group
 from hf_omni.testing.collectives import ReceivedBytes
 from hf_omni.testing.host_reads import HostReads
 from launching import end_distributed

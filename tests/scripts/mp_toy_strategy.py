@@ -59,7 +59,7 @@ class ReadLog:
     """(folder name, key, shape read, shape in the file) of every read of `SafetensorsIndex.read`."""
 
     def __init__(self):
-        from hf_omni.modules.safetensors_index import SafetensorsIndex
+        from hf_omni.files.safetensors_index import SafetensorsIndex
 
         self.reads, original = [], SafetensorsIndex.read
 

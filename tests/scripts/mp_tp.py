@@ -18,7 +18,7 @@ import tp_scenarios
 from ema_runs import ema_state
 
 from hf_omni import OmniTrainer
-from hf_omni.errors import OmniArgumentError
+from hf_omni.core.errors import OmniArgumentError
 from launching import end_distributed
 from transformers.integrations.fsdp import is_fsdp_managed_module
 

@@ -40,7 +40,7 @@ class ReadLog:
     """Records every tensor read from safetensors by empty_init loading: (key, shape read, full shape)."""
 
     def __init__(self):
-        from hf_omni.modules.weights import SafetensorsIndex
+        from hf_omni.files.weights import SafetensorsIndex
 
         self.reads, original = [], SafetensorsIndex.read
 

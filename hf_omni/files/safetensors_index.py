@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from ..dtypes import BY_SAFETENSORS_NAME
-from ..errors import DamagedFileError
-from ..formats.interface import weights_names
+from ..core.dtypes import BY_SAFETENSORS_NAME
+from ..core.errors import DamagedFileError
+from .format import weights_names
 
 
 class SafetensorsIndex:

@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
-from .compat import queue_backward_callback
-from .modules.units import run_roots
+from ..compat import queue_backward_callback
+from ..modules.units import run_roots
 from .timing_marks import HostEvent, event_factory, logged_steps  # noqa: F401  (HostEvent: re-exported)
 
 FOLD_AFTER = 256  # calls of a module held before the finished ones are folded into milliseconds

@@ -26,8 +26,8 @@ import logging
 
 import torch
 
-from .dist import is_main
-from .shards.box import local_of
+from ..core.dist import is_main
+from ..shards.box import local_of
 
 logger = logging.getLogger("hf_omni")
 MIB = 1024 * 1024

@@ -50,7 +50,7 @@ def default_group_timeout(timeout_s: float | None) -> None:
     `ddp_timeout` to the process group it makes except under `use_cpu`, and a custom loop's group has whatever its
     Accelerator was given. One setting per process, no collective."""
     if has_process_group() and timeout_s:
-        from .compat import set_group_timeout
+        from ..compat import set_group_timeout
 
         set_group_timeout(dist.group.WORLD, timeout_s)
 

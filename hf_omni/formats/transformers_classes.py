@@ -12,9 +12,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat import registered_auto_classes
-from ..config import OmniConfig
-from ..formats.interface import original_class  # noqa: F401  (a module's own class, here since before formats)
-from .meta import meta_build
+from ..core.config import OmniConfig
+from ..files.format import original_class  # noqa: F401  (a module's own class, here since before formats)
+from ..files.meta import meta_build
 
 SAVE_VIEWS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
 

@@ -1,4 +1,4 @@
-"""`SavePipeline`: the background thread that stages async saves for their writer process, and what it may copy late.
+"""`AsyncSave`: the background thread that stages async saves for their writer process, and what it may copy late.
 
 An async save hands every tensor it will write to this thread, which first copies them all (staging), then hands
 them, module after module, in the same order on every rank, to the rank's writer process (`writer_process`), which
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import dtensor_over
-from ..dist import agreed
+from ..core.dist import agreed
 from ..shards.box import local_of
 from .staging import CopyStream, Staging
 from .writer_process import WriterError, WriterProcess
@@ -74,7 +74,7 @@ def rewrap(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return dtensor_over(tensor, local) if hasattr(tensor, "to_local") else local
 
 
-class SavePipeline:
+class AsyncSave:
     def __init__(self):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._copies: list[Callable[[], None]] = []
@@ -96,7 +96,7 @@ class SavePipeline:
 
     def snapshot(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> Callable[[], dict[str, torch.Tensor]]:
         """`tensors` as they are now, on CPU: buffers copied here; every other tensor (parameters, and private ones:
-        a MoE group converted for the save, rows gathered off dim 0) in the pipeline's thread before the next
+        a MoE group converted for the save, rows gathered off dim 0) in the async_save's thread before the next
         optimizer step, into staging buffers named `prefix` + name, reused by the next save. A view of a parameter
         that a DCP state of the same save stages whole (a master weight: fp32 in `state/`, its rows in the HF
         files) is read from that staged copy: copied once. Returns the getter the writes call."""
@@ -130,7 +130,7 @@ class SavePipeline:
 
     def stage(self, state: dict, prefix: str = "") -> Callable[[], dict]:
         """A DCP state (optimizer tensors; module tensors) on CPU, in the same staging buffers (`prefix` + its key
-        path) as `snapshot`: buffers copied here, everything else in the pipeline's thread before the next optimizer
+        path) as `snapshot`: buffers copied here, everything else in the async_save's thread before the next optimizer
         step, a DTensor as a DTensor of the same placements over its staged local shard. Its parameters are
         staged before any `snapshot` copy of this save, which reads views of them from there."""
         staged: dict = {}

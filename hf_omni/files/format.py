@@ -6,8 +6,9 @@ told to be of the kind (`handles`), its class record in the root config and the 
 folder's file names, building on the meta device as its library's loading builds it, loading a folder whole,
 writing the folder's non-weight files, the save-time key conversion, its model card's fields and whether a Hub
 repo at a commit rebuilds it. The weights (safetensors, one file or shards with an index, every rank its rows),
-LoRA adapters, processors and checkpoints stay generic. Formats are consulted in order: registered ones first
-(the latest first), then the shipped ones (`adopt.format`, `formats.pretrained`, registered by `hf_omni` itself).
+LoRA adapters, processors and checkpoints stay generic. Formats are consulted in order (`core.registry`): those
+registered from outside first (the latest first), then hf_omni's own (`adopt.format`, `formats.transformers`,
+`formats.diffusers_models`, registered in that order by `hf_omni/__init__.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from torch import nn
 
 from ..compat import in_place_wrapper_classes
+from ..core.registry import Registry
 
 
 class ModuleFormat:
@@ -131,23 +133,13 @@ class ModuleFormat:
         raise NotImplementedError
 
 
-FORMATS: list[ModuleFormat] = []  # consulted in order: registered ones first (latest first), then the shipped ones
+FORMATS = Registry("module_format", ModuleFormat, instances=True)
 
 
 def register_module_format(cls: type) -> type:
     """Make a kind of module of your own usable as a module of a composed model (usable as a decorator): a
-    `ModuleFormat` subclass, consulted before the formats registered earlier and the shipped ones."""
-    if not (isinstance(cls, type) and issubclass(cls, ModuleFormat)):
-        raise TypeError(f"register_module_format takes a ModuleFormat subclass, got {cls!r}")
-    FORMATS[:] = [f for f in FORMATS if type(f) is not cls]
-    FORMATS.insert(0, cls())
-    return cls
-
-
-def register_shipped(cls: type) -> type:
-    """A format hf_omni ships, consulted after every registered one (in the order shipped)."""
-    FORMATS.append(cls())
-    return cls
+    `ModuleFormat` subclass, consulted before the formats registered earlier and hf_omni's own."""
+    return FORMATS.register(cls)
 
 
 def original_class(module: nn.Module) -> type:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..lora.base import weights_folder
 from ..shards.box import local_box, local_of
 from ..shards.replicas import read_once
 from .folder_plan import FolderPlan, plan_folder, weights_keys
+from .lora_base import weights_folder
 from .safetensors_index import SafetensorsIndex
-from .tensor_layout import module_tensors
+from .saved_keys import module_tensors
 
 Placement = tuple[int, int] | torch.Tensor  # (first position, count) of a contiguous run, or every position
 

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ..compat import tied_weight_patterns
-from ..dtypes import SAFETENSORS
-from ..formats.interface import format_of
+from ..core.dtypes import SAFETENSORS
 from ..lora.adapters import ADAPTER_WEIGHTS, adapter_state_dict, base_state_dict, lora_config_of
+from .format import format_of
 
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 

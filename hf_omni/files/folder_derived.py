@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dist import has_process_group
+from ..core.dist import has_process_group
 from ..shards.box import local_of, one_cut, shard_dims
 from ..shards.device import on_group_device
 from .folder_plan import WEIGHTS, FolderPlan, adapter_state_dict, weights_keys
-from .tensor_layout import module_tensors
+from .saved_keys import module_tensors
 
 
 def sharded(tensor) -> bool:

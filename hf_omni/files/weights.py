@@ -23,17 +23,17 @@ import torch
 from torch import nn
 
 from ..compat import has_init_weights, init_lora_layer, init_weights, own_tensors
-from ..dist import agreed, checkpoint_group
+from ..core.dist import agreed, checkpoint_group
 from ..lora.adapters import ADAPTER_WEIGHTS, base_key, has_adapter, lora_config_of
-from ..lora.base import weights_folder
 from ..shards.box import box_of, copy_into, local_box
 from ..shards.replicas import read_once, readers
-from .classes import original_class
 from .empty_init import materialize
 from .expert_rows import read_fused_rows
 from .folder_plan import ADAPTER
+from .format import original_class
+from .lora_base import weights_folder
 from .safetensors_index import SafetensorsIndex
-from .tensor_layout import file_layout, module_tensors
+from .saved_keys import file_layout, module_tensors
 from .whole import check_whole_copy
 
 logger = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ import os
 from torch import nn
 
 from ..compat import keeps_running_stats
-from ..formats.interface import weights_names
-from ..modules.folder_plan import ADAPTER
-from ..modules.tensor_layout import file_layout
-from .adapters import ADAPTER_CONFIG, has_adapter, lora_config_of
+from ..lora.adapters import ADAPTER_CONFIG, has_adapter, lora_config_of
+from .folder_plan import ADAPTER
+from .format import weights_names
+from .saved_keys import file_layout
 
 BASE_MARKER = "hf_omni_base.json"
 FROZEN = "frozen"

@@ -12,8 +12,8 @@ import os
 import torch
 from torch import nn
 
-from ..formats.interface import format_of
 from ..lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_config_of
+from .format import format_of
 
 
 def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ..compat import keep_in_fp32_plan, own_tensors
-from ..formats.interface import format_of
 from ..lora.adapters import has_adapter
-from ..lora.base import weights_folder
+from .format import format_of
+from .lora_base import weights_folder
 
 
 def saved_dtype(config) -> torch.dtype | None:

@@ -15,7 +15,7 @@ WHOLE_COPY_LIMIT = 4 * 2**30  # bytes of module (a 1B-parameter module in fp32):
 def module_bytes(module: nn.Module, dtypes: dict | None = None) -> int:
     """The bytes of `module`'s parameters (tied ones once) and persistent buffers, in full (a DTensor's global
     size), each in its dtype now or, by name, in `dtypes` (the dtype a master weight is exported in)."""
-    from .tensor_layout import module_tensors
+    from .saved_keys import module_tensors
 
     dtypes = dtypes or {}
     return sum(t.numel() * dtypes.get(n, t.dtype).itemsize for n, t in module_tensors(module).items())
@@ -28,4 +28,4 @@ def check_whole_copy(module: nn.Module, module_name: str, what: str, instead: st
     if size > WHOLE_COPY_LIMIT:
         raise ValueError(f"module {module_name!r}: {what} holds a whole copy of the module ({size / 2**30:.2f} GiB), "
                          f"above hf_omni's limit for whole copies ({WHOLE_COPY_LIMIT / 2**30:.2f} GiB, "
-                         f"hf_omni.modules.whole.WHOLE_COPY_LIMIT); {instead}")
+                         f"hf_omni.files.whole.WHOLE_COPY_LIMIT); {instead}")

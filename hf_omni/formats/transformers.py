@@ -14,11 +14,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat import config_name_or_path, keys_to_ignore_on_save, transformers_save_keys
-from ..modules import classes
-from ..modules.empty_init import apply_dtype_plan, load_generation_config, saved_dtype
-from ..modules.meta import meta_build
-from ..modules.safetensors_index import SafetensorsIndex
-from .interface import ModuleFormat, register_shipped
+from ..files.empty_init import apply_dtype_plan, load_generation_config, saved_dtype
+from ..files.format import ModuleFormat, register_module_format
+from ..files.meta import meta_build
+from ..files.safetensors_index import SafetensorsIndex
+from . import transformers_classes as classes
 
 AUTO_CLASSES = (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
                 ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText"),
@@ -53,7 +53,7 @@ def auto_class(class_name: str) -> tuple[str, bool]:
     return "AutoModel", True
 
 
-@register_shipped
+@register_module_format
 class TransformersFormat(ModuleFormat):
     name = "transformers"
     config_files = ("config.json",)

@@ -34,15 +34,15 @@ from typing import Any
 
 from torch import nn
 
-from ..dist import has_process_group, is_main
-from ..formats.interface import index_names
+from ..core.dist import has_process_group, is_main
 from ..lora.merge import full, merged_rows
 from ..shards.box import as_rows, local_of, local_rows, sharded_off_rows
 from .folder_derived import derived_tensors, rank_world, replica, sharded
-from .folder_files import Files, write_tensor
 from .folder_metadata import export_dtype, write_metadata
 from .folder_plan import FolderPlan
-from .tensor_layout import module_tensors
+from .format import index_names
+from .in_place import Files, write_tensor
+from .saved_keys import module_tensors
 
 SMALL = 2**20  # tensors below this (or with fewer rows than ranks) are written whole by one rank
 
@@ -93,7 +93,7 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
           buffers: set, files, failed: list, whole_mesh=None) -> list:
     """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
     each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
-    tensor redistributed off dim 0 is written to `files` at once (a save without pipeline) and let go; an OSError
+    tensor redistributed off dim 0 is written to `files` at once (a save without async_save) and let go; an OSError
     there, and any error of a rank-local step (a merge, a derived group's conversion), goes to `failed`, raised once
     every rank has joined every collective."""
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
@@ -145,11 +145,11 @@ def tensor_mesh(module: nn.Module):
 
 
 def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, processor=None,
-                        dtypes: dict | None = None, pipeline=None, solo: bool = False, merge: dict | None = None,
+                        dtypes: dict | None = None, async_save=None, solo: bool = False, merge: dict | None = None,
                         base: str | None = None, main_only: frozenset = frozenset()) -> None:
     """Every rank: its part of `module`'s HF files at their offsets in `folder` (rank 0 also the headers and small
     files). `dtypes`: the dtype each tensor is exported in, by name (master weights' loaded dtypes). With a
-    `pipeline` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
+    `async_save` (async saves) the rows are copied before the next optimizer step and written in its thread; derived
     groups are gathered and converted now (on the device), copied to the host in its thread too. `solo`: the calling process writes every file alone (a module with no
     sharded tensor, saved by one rank). `merge` (`lora.merge.row_merge_plan`, with a `merged` plan): each LoRA
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
@@ -159,7 +159,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     dtype = export_dtype(module, dtypes)
     tensors = module_tensors(module)
     buffers = {name for name, _ in module.named_buffers()} | set(main_only)  # rank 0's
-    files, failed = Files(folder) if pipeline is None else None, []  # saved now: a redistributed share at once
+    files, failed = Files(folder) if async_save is None else None, []  # saved now: a redistributed share at once
     try:  # fds of shares written already are closed whatever fails
         jobs = _jobs(module, plan, tensors, dtypes, solo, merge, buffers, files, failed,
                      tensor_mesh(module))
@@ -167,7 +167,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         if files is not None:
             files.close()
         raise
-    if failed and pipeline is not None:  # every collective joined: raised into the agreement after the write
+    if failed and async_save is not None:  # every collective joined: raised into the agreement after the write
         raise failed[0]
     main = solo or is_main()
 
@@ -185,9 +185,9 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         finally:
             files.close()
 
-    if pipeline is None:
+    if async_save is None:
         return write([values for _, _, values, _ in jobs], files)
-    staged = pipeline.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)},
+    staged = async_save.snapshot({str(i): values for i, (_, _, values, _) in enumerate(jobs)},
                                prefix=os.path.basename(folder) + "/")
 
     def hand_off():  # the small files here, the headers and rows by the writer process
@@ -195,8 +195,8 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
         if main:
             write_metadata(module, folder, plan, processor, dtype, base)
         heads = [(name, 0, bytes(head)) for name, head in plan.files.items()] if main else []
-        rows = [(name, offset, pipeline.staging.ref(staged()[str(i)]), str(target))
+        rows = [(name, offset, async_save.staging.ref(staged()[str(i)]), str(target))
                 for i, (name, offset, _, target) in enumerate(jobs)]
-        pipeline.hand_off("folder", (folder, heads, rows))
+        async_save.hand_off("folder", (folder, heads, rows))
 
-    pipeline.then(hand_off, f"writing {folder}")
+    async_save.then(hand_off, f"writing {folder}")

@@ -14,19 +14,18 @@ import json
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..dist import agreed, checkpoint_group, is_main
-from ..formats.interface import folder_patterns, format_of
-from ..lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter, load_adapter, lora_config_of, merged_module
-from ..lora.base import weights_folder
+from ..core.dist import agreed, checkpoint_group, is_main
+from ..lora.adapters import ADAPTER_CONFIG, has_adapter, load_adapter, lora_config_of
 from ..lora.merge import row_merge_plan
+from ..modules.ema import export_weights
 from . import folder_write
-from .ema import export_weights
 from .empty_init import build_empty
 from .folder_plan import plan_folder
-from .whole import check_whole_copy
+from .format import folder_patterns, format_of
+from .lora_base import weights_folder
+from .peft_merge import check_peft_merge, merged_module, save_merged
 
 PROCESSOR_KINDS = ("tokenizer", "processor", "image_processor", "feature_extractor")
 
@@ -43,36 +42,6 @@ def processor_kind(processor: Any) -> str:
     if isinstance(processor, FeatureExtractionMixin):
         return "feature_extractor"
     raise TypeError(f"unsupported processor type {type(processor).__name__}")
-
-
-def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
-                dtype: torch.dtype | None = None, max_shard_size: str | int = "50GB") -> None:
-    """The main process: a LoRA module merged by PEFT itself (`lora.merged_module`, from its gathered `state`)
-    written to `folder` alone, as any module of its format is — for the adapters `lora.merge` cannot merge row by
-    row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
-    merged = merged_module(module, state)
-    os.makedirs(folder, exist_ok=True)
-    folder_write.remove_weight_files(folder)
-    for stale in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if os.path.exists(os.path.join(folder, stale)):
-            os.remove(os.path.join(folder, stale))
-    plan = plan_folder(merged, {}, max_shard_size)
-    folder_write.write_module_folder(merged, folder, plan, processor, solo=True)
-    if dtype is not None:  # its own class, and the dtype as loaded (not the live parameters')
-        format_of(merged).write_config(merged, folder, dtype)
-
-
-def check_peft_merge(module: nn.Module, module_name: str, dtypes: dict | None = None) -> None:
-    """A LoRA module whose merge needs PEFT's own (`lora.merge.row_merge_plan` is None), within the limit for whole
-    copies (`whole.WHOLE_COPY_LIMIT`; its tensors in the dtypes they are exported in, `dtypes`), else the error."""
-    if lora_config_of(module) is None or row_merge_plan(module) is not None:
-        return
-    check_whole_copy(module, module_name, "merging LoRA with PEFT's own merge (an adapter the row-by-row merge does "
-                     "not cover: see `lora.merge`), gathered on the main process with its merged copy,",
-                     "export without `merge_lora` (`merge_lora_on_export: false`; the adapter is written beside the "
-                     "base weights) and merge it with PEFT's `merge_and_unload` on a host with room for the module "
-                     "twice, or use an adapter the row-by-row merge covers (LoRA, rsLoRA or DoRA on Linear layers, "
-                     "one adapter, no `fan_in_fan_out`)", dtypes)
 
 
 def load_processor(folder: str, kind: str):

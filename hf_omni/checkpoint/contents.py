@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..dist import world_size
-from ..errors import DamagedFileError
+from ..core.dist import world_size
+from ..core.errors import DamagedFileError
 from . import file_checks
 from .bases import check_bases, remove_unreferenced
 from .digests import check_share

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..formats.interface import format_of
 from ..lora.adapters import adapter_state_dict, base_state_dict, lora_config_of
 from .folder_plan import ADAPTER, WEIGHTS
+from .format import format_of
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
