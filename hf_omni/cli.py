@@ -16,16 +16,12 @@ import os
 import shutil
 
 from .checkpoint.contents import check_complete
-from .checkpoint.ema_export import exports_ema, fill_ema_weights
 from .checkpoint.marker import MARKER
 from .checkpoint.module_state import STATE
 from .core.config import OmniConfig
-from .core.progress import each
-from .files.folder import copy_module_folder
-from .files.module_folder import module_folder
+from .files.composition import composition_of
 from .hub.ids import HUB_LAYOUTS
 from .hub.push import push_saved
-from .modeling import OmniModel
 from .offline.serve import ENCODE_ONLY
 
 
@@ -35,22 +31,8 @@ def export(checkpoint: str, out: str) -> None:
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: nothing was written")
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial")
-    adopted = getattr(config, "adopted", None)  # an adopted model's checkpoint holds it in its released format
-    released = os.path.join(checkpoint, "released")
-    if adopted is not None and not os.path.isfile(os.path.join(released, "config.json")):
-        raise FileNotFoundError(f"{checkpoint} is an adopted model's checkpoint without its released/ folder")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
-    if getattr(config, "pipeline", None) or (not adopted and exports_ema(checkpoint, config)):
-        model = OmniModel.from_pretrained(checkpoint)  # a pipeline folder: loaded whole, LoRA merged and in diffusers'
-        fill_ema_weights(model, checkpoint, config)  # file; `export_ema` modules: their EMA weights from state/
-        model.save_pretrained(partial)
-    elif adopted:
-        copy_module_folder(released, partial)
-    else:
-        for name in each(config.module_names, f"exporting {checkpoint}"):
-            copy_module_folder(module_folder(checkpoint, config, name),
-                               os.path.join(partial, config.module_entry(name).subfolder))
-        config.save_pretrained(partial)
+    composition_of(config).export_checkpoint(checkpoint, config, partial)
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(partial, out)  # an interrupted export never leaves a folder that looks complete

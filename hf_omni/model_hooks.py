@@ -13,7 +13,6 @@ class ModelHooks:
     """The methods `OmniModel` answers for its own modules and an adopted model answers for its released one."""
 
     reduce_every_micro_step = False  # its forward decides per batch which modules run: no accumulation window
-    released_folder: str | None = None  # a checkpoint's copy in a released model's own format, beside the modules
     encoders_from_settings = False  # its offline encoders are named by `modules.<name>.offline_encoder`
 
     def __init_subclass__(cls, **kwargs):

@@ -33,6 +33,7 @@ from .metrics.module_bytes import log_bytes_table, module_bytes
 from .metrics.profile import ModuleProfile
 from .modeling import OmniModel
 from .modules.ownership import check_ownership
+from .modules.views import SlotViews
 from .offline.serve import serve_from_caches
 from .offline.window import agree_window
 from .optim.ema import attach_emas
@@ -42,7 +43,7 @@ from .parallel.driver import Prepared, prepare_modules
 from .tuning.modes import apply_training_modes
 
 
-class OmniPlugin:
+class OmniPlugin(SlotViews):
     """Per-module freezing / LoRA / wrapping / optimizer / scheduler / clipping / checkpoints for an `OmniModel`.
 
     What it decides about each module lives in the module's slot (`model.slots[name]`); after `prepare` these views
@@ -86,40 +87,6 @@ class OmniPlugin:
     def modules_prepared(self) -> bool:
         """`prepare_modules` ran (by `prepare`, or by OmniTrainer's `evaluate()` before `train()`)."""
         return self.prepared is not None
-
-    def _slots(self) -> dict:
-        return self.model.slots if self.model is not None else {}
-
-    @property
-    def grad_norms(self) -> dict[str, torch.Tensor]:  # the last step's pre-clip norms, on the device
-        return {name: slot.grad_norm for name, slot in self._slots().items() if slot.grad_norm is not None}
-
-    @property
-    def module_args(self) -> dict[str, ModuleArguments]:
-        return {name: slot.args for name, slot in self._slots().items()}
-
-    @property
-    def trainable(self) -> list[str]:
-        return [name for name, slot in self._slots().items() if slot.trains]
-
-    @property
-    def offline(self) -> dict:
-        """Module -> its `@offline_encoder` spec (`offline_modules`)."""
-        return {name: slot.encoder for name, slot in self._slots().items() if slot.encoder is not None}
-
-    @property
-    def wrapped(self) -> dict[str, str]:
-        return {name: slot.kind for name, slot in self._slots().items()}
-
-    @property
-    def fsdp_plugins(self) -> dict:
-        return {slot.strategy.key: slot.strategy.plugin for slot in self._slots().values() if slot.kind == "fsdp"}
-
-    @property
-    def meshes(self) -> dict:
-        """Module -> its `DeviceMesh` (modules whose strategy takes one; shared between modules of one shape)."""
-        return {slot.strategy.key: slot.strategy.mesh for slot in self._slots().values()
-                if slot.strategy is not None and slot.strategy.mesh is not None}
 
     def resolve(self, model: nn.Module) -> dict[str, ModuleArguments]:
         """Resolve every module's settings against `model` (unknown / missing modules are errors), then check them:

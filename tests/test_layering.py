@@ -134,6 +134,39 @@ def test_no_import_circle_between_hf_omni_files():
     assert all(c in found for c in ALLOWED), "an allowed circle is gone: take it off ALLOWED"
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between folders (a package, or a file at the top of hf_omni): an edge wherever a file of one
+    imports a file of the other."""
+    def folder(path: str) -> str:
+        parts = path.split("/")
+        return "/".join(parts[:2]) if len(parts) > 2 else path
+
+    out: dict[str, set[str]] = {folder(p): set() for p in graph}
+    for src, dsts in graph.items():
+        out[folder(src)] |= {folder(d) for d in dsts} - {folder(src)}
+    return out
+
+
+def test_no_import_circle_between_folders():
+    """Files in no circle can still make one between their folders (a.x -> b.y -> a.z): none either."""
+    found = circles(folder_graph(import_graph()))
+    assert not found, "import circles between folders: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_every_package_docstring_names_its_files():
+    """A package's face says what each of its files is for: each file's name stands in its docstring, as `name`."""
+    missing = []
+    for folder, _, names in os.walk(PACKAGE):
+        face = os.path.join(folder, "__init__.py")
+        if "__pycache__" in folder or not os.path.isfile(face):
+            continue
+        with open(face) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        missing += [f"{os.path.relpath(folder, ROOT)}/{n}" for n in sorted(names)
+                    if n.endswith(".py") and n != "__init__.py" and f"`{n[:-3]}`" not in doc and f"`{n}`" not in doc]
+    assert not missing, "files a package docstring does not name: " + ", ".join(missing)
+
+
 def test_the_graph_sees_imports_inside_functions_and_submodules_imported_from_a_package():
     graph = import_graph()
     assert "hf_omni/hub/push.py" in graph["hf_omni/modeling.py"]  # inside OmniModel.push_to_hub
@@ -174,9 +207,10 @@ LAYERS = [
     ("trainer", "cli"),
     ("plugin",),
     ("optim", "metrics", "testing"),
-    ("adopt",),
+    ("compositions",),
+    ("adopt", "diffusion"),
     ("modeling", "arguments", "projector"),
-    ("parallel", "hub", "model_hooks", "tuning", "diffusion"),
+    ("parallel", "hub", "model_hooks", "tuning"),
     ("offline",),
     ("checkpoint",),
     ("formats",),

@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_omni import register_strategy
 from hf_omni.compat import fsdp_lazy_init_root, no_split_modules
-from hf_omni.formats.transformers_classes import embeddings_of
+from hf_omni.modules.embeddings import embeddings_of
 from hf_omni.parallel.fsdp import full_state_dict, is_sharded
 from hf_omni.parallel.strategy import Strategy
 

@@ -1,8 +1,7 @@
 """The adopted part's format: a module of an adopted model (`adopt.parts.Part`, the released model's submodules
 under their released names). Its checkpoint folder holds its tensors under the released model's keys (the released
-class's save-time conversion) and `hf_omni_part.json` (its paths) instead of a config; the whole adopted model is
-this format's too: its released format beside `hf_omni.json` (`holds_model` / `load_model`), and
-`OmniModel.from_model` (`adopt`)."""
+class's save-time conversion) and `hf_omni_part.json` (its paths) instead of a config. The whole adopted model is
+its composition's (`compositions/adopted.py`)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,9 @@ import os
 from torch import nn
 
 from ..compat import keys_to_ignore_on_save, transformers_save_keys
-from ..core.config import PART_FILE
 from ..files.format import ModuleFormat, register_module_format
-from ..hub.download import adopted_folder
-from .model import AdoptedModel, from_model
 from .parts import Part
+from .saved import PART_FILE
 
 
 @register_module_format
@@ -58,15 +55,6 @@ class PartFormat(ModuleFormat):
     def no_checkpointing_reason(self, module: nn.Module) -> str:
         return (f"none of its paths {[r.path for r in module.omni_roots]} is or holds a transformers model that "
                 "supports it (gradient checkpointing)")
-
-    def holds_model(self, root: str, revision=None, token=None, cache_dir=None) -> bool:
-        return adopted_folder(root, revision, token, cache_dir)
-
-    def load_model(self, root: str, **kwargs):
-        return AdoptedModel.from_saved(root, **kwargs)
-
-    def adopt(self, model, pretrained=None, **kwargs):
-        return from_model(model, pretrained, **kwargs)
 
 
 def _supports(module: nn.Module) -> bool:

@@ -6,7 +6,8 @@ GradScaler, and the root config; then, last, the marker.
 
     save:  remove a stale marker -> frozen sources and LoRA bases (once per run) -> per trainable module: HF folder
            (every rank its own rows, in place; a LoRA module with its base written once: the adapter alone)
-           + optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> root config.json ->
+           + optimizer shards (DCP, every rank) + optimizer / scheduler JSON -> what the model's composition keeps
+           beside them (`files.composition`) -> root config.json ->
            [async: later] every rank done -> marker (rank 0, atomic)
 
 The layout is in `files`. RNG and data position stay the loop's (OmniTrainer writes every rank's RNG state through
@@ -22,6 +23,7 @@ import shutil
 from ..core.dist import agreed, broadcast_from_main, checkpoint_group, is_main
 from ..core.progress import each
 from ..files import folder_write
+from ..files.composition import composition_of
 from ..files.folder import write_frozen_source
 from . import contents, marker, module_state, resume
 from .async_save import AsyncSave
@@ -104,12 +106,11 @@ class ModuleCheckpointer:
                     if slot.ema is not None:  # its shadows go with the optimizer shards
                         module_state.save_json(slot.ema.state_json(), folder, module_state.EMA_JSON)
             self.states[name].save_tensors(folder, tensors, async_save=async_save, group=self.async_group)
-        released = self.model.released_folder
-        if released is not None:  # an adopted model: its released format too (every rank its rows)
-            self.model.save_pretrained(os.path.join(directory, released))
+        composition = composition_of(self.model.config)
+        composition.save_checkpoint(self.model, directory)  # every rank (an adopted model: its released format)
         with agreed(f"writing {os.path.join(directory, 'config.json')}", self.group):
             if is_main():
-                self.model.write_config(directory)
+                composition.write_root(self.model, directory)
                 if not weights_only:
                     contents.save_scaler(optimizer.scaler, directory)
         futures = async_save.start(self.async_group) if async_save is not None else []

@@ -112,10 +112,5 @@ def repo_id_error(repo_id) -> str | None:
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 
 
-PART_FILE = "hf_omni_part.json"  # a checkpoint's folder of an adopted model's module (its tensors, by released name)
-ADOPTED_FILE = "hf_omni.json"  # beside an adopted model's released-format files: the modules= mapping and its class
-RELEASED_FOLDER = "released"  # a checkpoint's copy of an adopted model in its released format
-
-
 class UnsafePathError(ValueError):
     """A module path in a root config that could lead outside the folder holding it."""

@@ -94,10 +94,14 @@ class Registry:
     def values(self) -> list:
         return list(self)
 
+    def own(self) -> list:
+        """The entries hf_omni registers itself (what its docs list), in the order it registers them."""
+        return [self.entry(n) for n in self.names() if n not in self._added]
+
     def table(self) -> list[str]:
-        """A markdown table of the entries (name, what it is, its settings), for the docs."""
+        """A markdown table of hf_omni's own entries (name, what it is, its settings), for the docs."""
         rows = [f"| {self.kind} | what it is | settings |", "|---|---|---|"]
-        for name in self.names():
+        for name in (n for n in self.names() if n not in self._added):
             cls = self._classes[name]
             settings = getattr(cls, "settings_class", None)
             rows.append(f"| `{name}` | {getattr(cls, 'description', '') or ''} | "

@@ -26,11 +26,6 @@ NOTE_TEXT = ("# A training checkpoint of a {cls}\n\nNot a pipeline folder. Write
              "`{cls}.from_pretrained(<out>)`.\n")
 
 
-def config_record(model) -> dict:
-    """What the root config records of the pipeline (`{"pipeline": model_index.json's values}`), or {}."""
-    return {"pipeline": model.config.pipeline} if is_pipeline(model) else {}
-
-
 def from_pipeline(cls, pipeline, path=None, *, empty_init: bool = False, **kwargs):
     """`cls.from_pipeline(pipeline)` or `cls.from_pipeline(PipelineClass, folder_or_repo, empty_init=False,
     **from_pretrained_kwargs)`. `empty_init=True`: every module built on the meta device from its component folder

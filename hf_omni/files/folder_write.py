@@ -137,10 +137,10 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
 
 
 def tensor_mesh(module: nn.Module):
-    """A tensor-parallel module's whole mesh (the largest of its tensors' meshes with a `tp` dim: `(dp_shard, tp)`),
-    None for any other module. Its tensors on fewer dims are replicas over the rest (`replica`)."""
-    meshes = [t.device_mesh for t in module_tensors(module).values()
-              if hasattr(t, "device_mesh") and "tp" in (t.device_mesh.mesh_dim_names or ())]
+    """The module's whole mesh: the largest of its tensors' meshes (a tensor-parallel module's `(dp_shard, tp)`), or
+    None for a module with no DTensor. Its tensors on fewer of that mesh's dims are replicas over the rest
+    (`replica`); tensors on meshes that are not part of it keep their own."""
+    meshes = [t.device_mesh for t in module_tensors(module).values() if hasattr(t, "device_mesh")]
     return max(meshes, key=lambda m: m.ndim, default=None)
 
 

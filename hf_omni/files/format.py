@@ -119,19 +119,6 @@ class ModuleFormat:
         it would (its tensors are compared apart). The default: never linked, always uploaded."""
         return "its format does not say how to compare it with the repo"
 
-    # -- a whole model in a format's own layout (the adopted part's: a released model, `OmniModel.from_model`) ----
-    def holds_model(self, root: str, revision=None, token=None, cache_dir=None) -> bool:
-        """Whether `root` (a folder or a repo id) is a whole model this format loads (`load_model`), not a
-        composition's root."""
-        return False
-
-    def load_model(self, root: str, **kwargs):
-        raise NotImplementedError
-
-    def adopt(self, model, pretrained=None, **kwargs):
-        """`OmniModel.from_model`: a released model adopted as it is (only a format that adopts defines it)."""
-        raise NotImplementedError
-
 
 FORMATS = Registry("module_format", ModuleFormat, instances=True)
 
@@ -159,14 +146,6 @@ def format_of(module_or_class) -> ModuleFormat:
             return fmt
     raise ValueError(f"{cls.__name__} is no kind of module hf_omni knows: a transformers PreTrainedModel, or a "
                      "class of a format registered with hf_omni.register_module_format")
-
-
-def adopter() -> ModuleFormat:
-    """The format that adopts released models (`OmniModel.from_model`)."""
-    for fmt in FORMATS:
-        if type(fmt).adopt is not ModuleFormat.adopt:
-            return fmt
-    raise RuntimeError("no module format adopts released models (import hf_omni first)")
 
 
 def record_class(cls: type, module: str) -> str:

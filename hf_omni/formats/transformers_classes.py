@@ -1,6 +1,6 @@
-"""Where a module's class comes from (under an in-place wrapper; a transformers class by name, never remote code:
-the transformers format's record, `formats.pretrained`), what transformers saves a wrapped module as, and per-module
-loading options (`device_map`, `dtype`)."""
+"""The transformers format's classes (`formats.transformers`): a module class recorded by name and found again,
+never by importing code from elsewhere (`register_module_class` for classes of your own), and what transformers'
+`save_pretrained` is called on for a module wrapped in place (`save_view`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat import registered_auto_classes
-from ..core.config import OmniConfig
-from ..files.format import original_class  # noqa: F401  (a module's own class, here since before formats)
+from ..files.format import original_class
 from ..files.meta import meta_build
 
 SAVE_VIEWS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
@@ -104,47 +103,3 @@ def find_module_class(record: str) -> type[PreTrainedModel] | None:
 
 
 _TRANSFORMERS_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.modeling_[a-z0-9_]+")
-
-
-def per_module(value, config: OmniConfig, key: str) -> dict:
-    """`value` for every module: one for all, or a `{module: value}` mapping naming modules of `config`."""
-    if not isinstance(value, dict):
-        return {name: value for name in config.module_names}
-    unknown = sorted(set(value) - set(config.module_names))
-    if unknown:
-        raise ValueError(f"from_pretrained: {key} names {unknown}, not modules of this model {config.module_names}")
-    return {name: value.get(name) for name in config.module_names}
-
-
-def embeddings_of(module: nn.Module):
-    """A module's input embeddings, or None where it defines none (transformers raises for such a class)."""
-    getter = getattr(module, "get_input_embeddings", None)
-    if getter is None:
-        return None
-    try:
-        return getter()
-    except NotImplementedError:  # transformers' answer for a class without them
-        return None
-
-
-def is_token_embedding(module) -> bool:
-    """An `nn.Embedding`, or a PEFT layer around one (LoRA on the embeddings)."""
-    return isinstance(module, nn.Embedding) or isinstance(getattr(module, "base_layer", None), nn.Embedding)
-
-
-def model_input_embeddings(model) -> nn.Module:
-    """`OmniModel.get_input_embeddings`: the token embeddings of the module named by the class attribute
-    `input_embeddings_module`, or of the one module that has token embeddings (what Trainer's NEFTune adds its
-    noise to)."""
-    name = model.input_embeddings_module
-    if name is None:
-        found = [n for n, m in model.omni_modules().items() if is_token_embedding(embeddings_of(m))]
-        if len(found) != 1:
-            raise ValueError(f"{type(model).__name__}: {len(found)} modules have token embeddings {found}: name "
-                             f"the one that is the model's with the class attribute input_embeddings_module = "
-                             f"'<module>' (NEFTune's noise goes there)")
-        name = found[0]
-    if name not in model.module_names:
-        raise ValueError(f"{type(model).__name__}.input_embeddings_module: {name!r} is not a module "
-                         f"{model.module_names}")
-    return getattr(model, name).get_input_embeddings()

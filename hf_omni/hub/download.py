@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from ..compat import config_commit_hash
-from ..core.config import ADOPTED_FILE, OmniConfig
-from ..diffusion.index import INDEX, part_names
+from ..core.config import OmniConfig
+from ..files.composition import composition_of
 from ..files.folder import module_patterns
 from ..files.format import config_files, format_of, is_module_folder
 from .ids import cache_snapshot, is_hub_id
@@ -46,16 +46,6 @@ def download_module(repo_id: str, revision: str | None, name: str, token=None, c
     return folder
 
 
-def adopted_folder(root: str, revision: str | None = None, token=None, cache_dir=None) -> bool:
-    """Whether `root` (a folder or a repo id) holds an adopted model in its released format (`hf_omni.json`)."""
-
-    if not is_hub_id(root):
-        return os.path.isfile(os.path.join(root, ADOPTED_FILE))
-    from huggingface_hub import HfApi
-
-    return HfApi().file_exists(root, ADOPTED_FILE, revision=revision, token=token)
-
-
 def download_composition(repo_id: str, revision: str | None = None, token=None,
                          cache_dir=None) -> tuple[str, OmniConfig, dict[str, str]]:
     """The composition `repo_id` at `revision`: (local root, its config, {module: local folder})."""
@@ -74,10 +64,9 @@ def download_composition(repo_id: str, revision: str | None = None, token=None,
         else:
             folders[entry.name] = download_module(repo_id, commit, entry.name, token, cache_dir,
                                                   subfolder=entry.subfolder)
-    parts = part_names(config)  # a pipeline's scheduler, tokenizers, ...: beside the modules, at the same commit
-    if parts:
-        snapshot_download(repo_id, revision=commit, token=token, cache_dir=cache_dir,
-                          allow_patterns=[f"{n}/*" for n in parts] + [INDEX])
+    beside = composition_of(config).beside_patterns(config)  # a pipeline's scheduler, ...: at the same commit
+    if beside:
+        snapshot_download(repo_id, revision=commit, token=token, cache_dir=cache_dir, allow_patterns=beside)
     return root, config, folders
 
 

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 from ..core.config import OmniConfig, repo_id_error
+from ..files.composition import owner_of_saved
 from ..files.folder import adapter_config_with_base, module_paths
 from ..files.lora_base import weights_folder
 from ..files.module_folder import module_folder
@@ -29,8 +30,8 @@ from .checkpoint_push import folder_operations
 from .commit import commit
 from .ids import HUB_LAYOUTS
 from .link import rebuilds_from_origin
-from .pipeline_push import pipeline_export, push_pipeline
-from .released_push import push_released, released_files
+
+HUB_KEYS = ("push_to_hub", "hub_model_id")  # per-module push settings (`modules.<name>.<key>`)
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,18 @@ def _root_operations(root: str, entries: list, repo_id: str, config, summary, pl
     return ops
 
 
-def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: dict | None = None,
+def push_saved(root: str, repo_id: str, **kwargs) -> dict[str, str]:
+    """Push the model saved at `root` (an export or a checkpoint) to `repo_id` as its composition pushes one
+    (`files.composition.Composition.push`: a plain composition's is `push_composition`); returns `{repo: commit}`."""
+    return owner_of_saved(root).push(root, repo_id, **kwargs)
+
+
+def hub_modules(args) -> dict:
+    """`modules.<name>.push_to_hub` / `hub_model_id` of every module that sets them (`args`: the run's arguments)."""
+    return {name: {k: overlay[k] for k in HUB_KEYS if k in overlay} for name, overlay in args.modules.items()}
+
+
+def push_composition(root: str, repo_id: str, *, layout: str | None = None, modules: dict | None = None,
                token: str | None = None, private: bool | None = None, revision: str | None = None,
                commit_message: str = "Upload with hf_omni", extra_folders: dict[str, str] | None = None,
                pushed: dict[str, tuple[str, str]] | None = None, cards: bool = True) -> dict[str, str]:
@@ -127,18 +139,10 @@ def push_saved(root: str, repo_id: str, *, layout: str | None = None, modules: d
     `modules`: per-module `{push_to_hub, hub_model_id}`; `extra_folders`: `{path_in_repo: folder}` added to the
     composition's commit (a checkpoint under `last-checkpoint/`); `pushed`: `{module: (repo, commit)}` of modules
     already uploaded unchanged (a frozen module, by an earlier push of this run), updated in place.
-    Returns `{repo_id: commit}` of the commits made. An adopted model's export or checkpoint: one repo in its
-    released format (`released_push`)."""
+    Returns `{repo_id: commit}` of the commits made."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import tqdm
 
-    if pipeline_export(root):  # a diffusers pipeline: one repo in diffusers' layout
-        return push_pipeline(root, repo_id, layout=layout, token=token, private=private, revision=revision,
-                             commit_message=commit_message, extra_folders=extra_folders, cards=cards)
-    released = released_files(root)
-    if released is not None:
-        return push_released(released, repo_id, layout=layout, token=token, private=private, revision=revision,
-                             commit_message=commit_message, extra_folders=extra_folders, cards=cards)
     layout = layout or "per_module"
 
     config = OmniConfig.from_pretrained(root)

@@ -1,3 +1,3 @@
-"""Modules: one module's slot in the composed model (`slot`), a module as a Hugging Face folder (`folder`, `lora`),
-where its class comes from (`classes`), how it is built on meta and read back (`empty_init`, `weights`), and the
-`Projector` model."""
+"""A module's place in the composed model and what is kept about it: its slot (`slot`), its master weights and
+compute dtype (`precision`), its EMA weights (`ema`), its input embeddings (`embeddings`), a module made of another
+model's submodules (`units`), and the check that every tensor has one owner (`ownership`)."""

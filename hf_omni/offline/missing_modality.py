@@ -53,11 +53,7 @@ WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mod
 def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     """`fn(model, *args, **kwargs)`, the `@offline_encoder` method of module `spec.module`, as described above."""
     if not runs_collectives(model):
-        bound = method_signature(fn).bind(model, *args, **kwargs)
-        inputs = {column: bound.arguments.get(column) for column in spec.inputs}
-        if (error := partly_given(spec, inputs)) is not None:
-            raise ValueError(error)
-        return fn(*bound.args, **bound.kwargs) if any(given(v) for v in inputs.values()) else None
+        return call_alone(model, spec, fn, args, kwargs)
     try:  # a call this rank cannot bind: the error goes in the call's collective below, which every rank joins
         bound, failure = method_signature(fn).bind(model, *args, **kwargs), None
     except TypeError as err:
@@ -65,28 +61,11 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     inputs = {column: bound.arguments.get(column) if bound else None for column in spec.inputs}
     present = [c for c, v in inputs.items() if given(v)]
     error = failure or partly_given(spec, inputs)
-    prepared = model.prepared
     if model.slots[spec.module].is_offline:  # ranks given cached outputs never call it: no exchange
         if error is not None:
             raise ValueError(error)
-        if present:
-            return fn(*bound.args, **bound.kwargs)
-        return cached_rows(model, spec, prepared)
-    plan, own = PLAN.get(model, {}).get(spec.method), None
-    if plan is None:  # inputs forward makes itself, or a call outside forward: shared now
-        shared = exchange.share_inputs({spec.method: inputs}, error or wrong_value(spec.module, spec.method, inputs))
-        shared = shared[spec.method]
-    else:  # shared before forward, from its arguments
-        shared = plan.shared  # this call agrees that it goes as planned (one integer per rank), or all raise
-        wrong = error is not None or wrong_value(spec.module, spec.method, inputs) or present and shared.donor is None
-        problem = failure or (exchange.not_as_planned(spec, present) if wrong else None)
-        if not plan.windowed:
-            exchange.agree(problem)
-        elif problem is not None:  # agreed with the window: no collective at the call (window.py)
-            raise ValueError(f"{problem} (on rank {rank()}; its plan was agreed for its accumulation window or "
-                             "generate call, so no collective tells the other ranks)")
-        if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
-            own = {c: plan.own[c][:1] for c in spec.inputs}
+        return fn(*bound.args, **bound.kwargs) if present else cached_rows(model, spec, model.prepared)
+    plan, shared, own = share_call(model, spec, inputs, present, error, failure)
     if spec.ragged and not shared.everyone and shared.donor is not None:  # every rank knows the same: all raise
         raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs (items of different "
                          "lengths), so no dummy is built from a row of its inputs, and this batch has them on some "
@@ -95,7 +74,7 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
     sample = None
     if not shared.everyone:
         source = inputs if present and same_form(inputs, shared.donors) or plan is None else plan.own
-        sample = exchange.broadcast_row(shared.donors, shared.donor, source, prepared)
+        sample = exchange.broadcast_row(shared.donors, shared.donor, source, model.prepared)
     if present:
         in_window(model, spec, {} if spec.ragged else {c: inputs[c][:1].detach().clone() for c in spec.inputs})
         out = fn(*bound.args, **bound.kwargs)
@@ -103,8 +82,43 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
             items_of(spec, out)  # in its declared form
             return out
         return tensor_output(spec, out)
-    sample = in_window(model, spec, sample or own)
-    if sample is None:  # no rank has an input (and no window to close): skipped everywhere
+    return call_on_dummy(model, spec, fn, bound, in_window(model, spec, sample or own))
+
+
+def call_alone(model, spec, fn, args: tuple, kwargs: dict):
+    """No rank waits on this one's collectives: the call as written, or None for a batch without its inputs."""
+    bound = method_signature(fn).bind(model, *args, **kwargs)
+    inputs = {column: bound.arguments.get(column) for column in spec.inputs}
+    if (error := partly_given(spec, inputs)) is not None:
+        raise ValueError(error)
+    return fn(*bound.args, **bound.kwargs) if any(given(v) for v in inputs.values()) else None
+
+
+def share_call(model, spec, inputs: dict, present: list, error: str | None, failure: str | None):
+    """(the forward's plan or None, what every rank has of the call's inputs, this rank's own first rows when its
+    forward dropped its inputs): shared now (a call outside forward, or inputs forward made itself) or agreed with
+    the plan shared before forward, every rank raising alike where the call is not as planned."""
+    plan, own = PLAN.get(model, {}).get(spec.method), None
+    if plan is None:
+        shared = exchange.share_inputs({spec.method: inputs}, error or wrong_value(spec.module, spec.method, inputs))
+        return plan, shared[spec.method], own
+    shared = plan.shared  # this call agrees that it goes as planned (one integer per rank), or all raise
+    wrong = error is not None or wrong_value(spec.module, spec.method, inputs) or present and shared.donor is None
+    problem = failure or (exchange.not_as_planned(spec, present) if wrong else None)
+    if not plan.windowed:
+        exchange.agree(problem)
+    elif problem is not None:  # agreed with the window: no collective at the call (window.py)
+        raise ValueError(f"{problem} (on rank {rank()}; its plan was agreed for its accumulation window or "
+                         "generate call, so no collective tells the other ranks)")
+    if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
+        own = {c: plan.own[c][:1] for c in spec.inputs}
+    return plan, shared, own
+
+
+def call_on_dummy(model, spec, fn, bound, sample: dict | None):
+    """This rank has no input: the method on a dummy of two rows of `sample` (its first 0 rows kept), or None
+    where no rank has an input (and no window to close): skipped everywhere."""
+    if sample is None:
         return None
     if spec.ragged:  # a window that ran it ends with no input anywhere, and no dummy: every rank raises alike
         raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs and ran earlier in this "
@@ -112,7 +126,7 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
                          "can join the gradient reduction. Give each window's last micro-batch its inputs, or serve "
                          "the module from its offline cache")
     for column, row in sample.items():
-        bound.arguments[column] = torch.cat([row, row]).to(prepared.device)
+        bound.arguments[column] = torch.cat([row, row]).to(model.prepared.device)
     return dummy_rows(model, spec, fn, bound)
 
 

@@ -167,14 +167,14 @@ def dim_names(entry: dict | None, ndim: int | None = None) -> tuple[str, ...]:
 
 
 def role_table() -> list[str]:
-    """docs/parallel.md's table of the `parallelism` keys, generated from the data dims and each layout's
-    declaration."""
+    """docs/parallel.md's table of the `parallelism` keys, generated from the data dims and the declaration of each
+    layout hf_omni ships."""
     rows = ["| key | what it is | mesh dim | rule | not with | LoRA | boundary |", "|---|---|---|---|---|---|---|"]
     rows += [f"| `{DATA_KEYS[0]}` | replicas (HSDP: with `dp_shard_size`) | `{REPLICATE}`, outermost | multiplies "
              "the world size | - | yes | - |",
              f"| `{DATA_KEYS[1]}` | FSDP2's shard group (default: the world) | `{SHARD}` | multiplies the world size | - "
              "| yes | - |"]
-    for cls in LAYOUTS:
+    for cls in LAYOUTS.own():
         where = f"`{cls.name}`, {ROLES[cls.dim].split(':')[0]}" if cls.dim else "a mesh of its own"
         rule = ("multiplies the world size" if cls.dim else f"divides {' x '.join(cls.divides)}") + \
             f"; `parallel: {' | '.join(cls.strategies)}`"

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, mark_sharded, own_tensors
 from ..core.errors import OmniArgumentError
-from ..formats.transformers_classes import embeddings_of
+from ..modules.embeddings import embeddings_of
 from ..modules.units import RootedModule, roots_of, run_roots
 from . import placement
 from .fsdp_settings import FsdpSettings, build_plugin

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..compat import apply_tensor_plan, tensor_parallel_plan
 from ..core.errors import OmniArgumentError
-from ..formats.transformers_classes import embeddings_of
+from ..modules.embeddings import embeddings_of
 from ..modules.units import roots_of, run_roots
 from .boundary import Boundary, refuse_methods
 from .layout import Layout, register_layout

@@ -20,35 +20,15 @@ import logging
 import os
 
 from ..core.dist import RankFailure, share_failure
-from ..core.errors import OmniArgumentError
-from ..hub.pipeline_push import check_pipeline_layout
-from ..hub.push import plan_modules, push_saved
-from ..hub.released_push import check_released_layout
+from ..hub.push import hub_modules, push_saved
 
 logger = logging.getLogger(__name__)
-HUB_KEYS = ("push_to_hub", "hub_model_id")
-
-
-def hub_modules(args) -> dict:
-    """`modules.<name>.push_to_hub` / `hub_model_id` of every module that sets them."""
-    return {name: {k: overlay[k] for k in HUB_KEYS if k in overlay} for name, overlay in args.modules.items()}
 
 
 def check_hub_links(args, model) -> None:
-    """Before any compute: every `push_to_hub: false` module has a repo to link to."""
-    if args.push_to_hub and getattr(model.config, "adopted", None):  # one repo, the released format
-        check_released_layout(args.hub_layout)
-    elif args.push_to_hub and getattr(model.config, "pipeline", None):  # one repo, diffusers' layout
-        check_pipeline_layout(args.hub_layout)
-        strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
-        if strategy != "end":
-            raise OmniArgumentError(None, "hub_strategy", f"{strategy!r}: a diffusers pipeline is pushed as its "
-                                    "pipeline folder (save_model / push_to_hub()); its checkpoints hold LoRA adapters "
-                                    "apart and frozen components elsewhere, which diffusers would load wrong: set "
-                                    "hub_strategy: end")
-    elif args.push_to_hub:
-        plan_modules(None, model.config, args.hub_model_id or "unnamed", args.hub_layout or "per_module",
-                     hub_modules(args))
+    """Before any compute: the Hub settings a push of `model` could not serve (its composition's answer: every
+    `push_to_hub: false` module has a repo to link to; an adopted model or a pipeline is one repo)."""
+    model.composition.check_push(args, model)
 
 
 class BackgroundPush:

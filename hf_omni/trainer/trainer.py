@@ -3,7 +3,8 @@ are listed, with the parameters relied on, in `hooks.TRAINER_METHODS` (checked a
 
 - preparing: `_prepare_for_training` (the plugin wraps each module in place and builds its optimizer and
   scheduler), `create_optimizer` / `create_scheduler` (the plugin's composites), `_move_model_to_device` (meta
-  modules stay for the plugin to fill), `evaluate` / `predict` (before `train()`: the modules prepared first);
+  modules stay for the plugin to fill), `evaluate` / `predict` (before `train()`: the modules prepared first,
+  `evaluation.py`);
 - the step: `get_batch_samples` / `training_step` (the exchange once a window: `step_window.py`), `compute_loss`
   (label smoothing inside the modules), `_clip_grad_norm` / `_get_grad_norm`, `log`;
 - checkpoints (`hf_omni.checkpoint`): `train` (the newest *complete* checkpoint), `_save_checkpoint` (the marker
@@ -23,16 +24,17 @@ from ..checkpoint import contents
 from ..checkpoint.resume import check_shared
 from ..checkpoint.rng import restore_rng_state, save_rng_state
 from ..hub.cards import write_summary
-from ..offline.serve import ENCODE_ONLY, CachedRows
+from ..offline.serve import ENCODE_ONLY
 from ..plugin import OmniPlugin
 from . import label_smoothing, profile_steps
 from .data import TrainingDataMixin
+from .evaluation import EvaluationMixin
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
 from .step_window import StepWindowMixin
 
 
-class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
+class OmniTrainer(StepWindowMixin, TrainingDataMixin, EvaluationMixin, HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -86,45 +88,6 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, HubPushMixin, Trainer):
         self.plugin.close()  # an async save still in flight gets its marker (and its push); buffers released
         self.hub_push.finish(self.plugin.checkpointer.group)  # the run's last push done; its error on every rank
         return output
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        self._prepare_modules_for_eval()
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
-        self._prepare_modules_for_eval()
-        return super().predict(test_dataset, ignore_keys, metric_key_prefix)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The outputs left out of the predictions: those the forward's own config names, as Trainer on it reads
-        (none named: Trainer's own default, which differs between releases)."""
-        if ignore_keys is None:
-            config = getattr(self.model.forward_owner(), "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", None)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-
-    def _prepare_modules_for_eval(self) -> None:
-        """Before `train()`: the modules prepared as training will run them (sharded, read, served offline)."""
-        if self.plugin.modules_prepared:
-            return
-        if self.plugin.offline:
-            self._serve_offline()
-        self.plugin.prepare_modules(self.accelerator, self.model)
-        self.model_wrapped = self.model
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        self._check_served(eval_dataset)
-        return super().get_eval_dataloader(eval_dataset)
-
-    def get_test_dataloader(self, test_dataset):
-        self._check_served(test_dataset)
-        return super().get_test_dataloader(test_dataset)
-
-    def _check_served(self, dataset) -> None:
-        released = [n for n, slot in self.model.slots.items() if slot.is_offline]
-        if released and dataset is not None and not isinstance(dataset, (str, CachedRows)):
-            raise ValueError(f"modules {released} are offline (on the meta device since train()): a dataset given "
-                             "to evaluate() / predict() now has no cache; pass it as eval_dataset= before train()")
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Nothing here: Trainer calls this before preparing; the plugin reads the modules once they are wrapped."""

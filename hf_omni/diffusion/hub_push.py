@@ -13,9 +13,9 @@ import json
 import os
 
 from ..core.config import OmniConfig
-from ..diffusion.index import INDEX
-from .checkpoint_push import folder_operations
-from .commit import commit
+from ..hub.checkpoint_push import folder_operations
+from ..hub.commit import commit
+from .index import INDEX
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

@@ -10,19 +10,11 @@ from __future__ import annotations
 import json
 import os
 
-from ..core.config import ADOPTED_FILE, RELEASED_FOLDER, OmniConfig
+from ..core.config import OmniConfig
 from ..files.folder import module_paths
-from .checkpoint_push import folder_operations
-from .commit import commit
-
-
-def released_files(root: str) -> str | None:
-    """The folder of released-format files that `root` (an adopted model's export, or a checkpoint of one) holds;
-    None for a composed model's folder."""
-    for folder in (root, os.path.join(root, RELEASED_FOLDER)):
-        if os.path.isfile(os.path.join(folder, ADOPTED_FILE)):
-            return folder
-    return None
+from ..hub.checkpoint_push import folder_operations
+from ..hub.commit import commit
+from .saved import ADOPTED_FILE
 
 
 def check_released_layout(layout: str | None) -> None:
