@@ -55,10 +55,11 @@ def generator(name: str):
 
 
 @pytest.mark.parametrize("name, make", [("cli_reference", "section"), ("compatibility", "table"),
-                                        ("errors", "catalogue")])
+                                        ("errors", "catalogue"), ("kinds", "tables"), ("parallelism_keys", "table")])
 def test_each_generated_section_is_what_its_generator_prints(name, make):
     """The CLI reference is the parser's own help, the versions page setup.cfg and both constraints files, the
-    refusals catalogue every raise in hf_omni/ (the scan finds more than 50)."""
+    refusals catalogue every raise in hf_omni/ (the scan finds more than 50), the kinds' tables the registries, the
+    `parallelism` keys the layouts' declarations."""
     module = generator(name)
     with open(module.PAGE) as f:
         written = module.generated.section(f.read(), module.BEGIN, module.END)

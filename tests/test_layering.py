@@ -222,7 +222,7 @@ LAYERS = [
 
 
 def _layer(path: str) -> int:
-    """A file's layer: its own entry (`formats/pretrained`) where it has one, else its package's."""
+    """A file's layer: its own entry (`formats/transformers`) where it has one, else its package's."""
     parts = path.removesuffix(".py").split("/")
     for name in ("/".join(parts[1:]), parts[1]):
         found = next((i for i, names in enumerate(LAYERS) if name in names), None)

@@ -1,5 +1,5 @@
 """An adopted model written in its released class's own format: the folder machinery of module exports
-(`modules.folder_plan` / `folder_write`) run on the released model itself, whose tensors are its modules' —
+(`files.folder_plan` / `folder_write`) run on the released model itself, whose tensors are its modules' —
 so the keys are what the class's `save_pretrained` writes (transformers' save-time conversion, tied aliases
 dropped), each rank writes its own rows of sharded tensors in place, and LoRA is merged row by row."""
 

@@ -19,6 +19,7 @@ from .saved import PART_FILE
 @register_module_format
 class PartFormat(ModuleFormat):
     name = "adopted part"
+    description = "a module of an adopted model: the released model's submodules under their released names"
     config_files = (PART_FILE,)
     library_name = "transformers"
     exported = False  # its folder is a checkpoint's: an export holds the released format (`adopt.export`)

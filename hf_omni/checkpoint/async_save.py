@@ -96,7 +96,7 @@ class AsyncSave:
 
     def snapshot(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> Callable[[], dict[str, torch.Tensor]]:
         """`tensors` as they are now, on CPU: buffers copied here; every other tensor (parameters, and private ones:
-        a MoE group converted for the save, rows gathered off dim 0) in the async_save's thread before the next
+        a MoE group converted for the save, rows gathered off dim 0) in its thread before the next
         optimizer step, into staging buffers named `prefix` + name, reused by the next save. A view of a parameter
         that a DCP state of the same save stages whole (a master weight: fp32 in `state/`, its rows in the HF
         files) is read from that staged copy: copied once. Returns the getter the writes call."""
@@ -130,7 +130,7 @@ class AsyncSave:
 
     def stage(self, state: dict, prefix: str = "") -> Callable[[], dict]:
         """A DCP state (optimizer tensors; module tensors) on CPU, in the same staging buffers (`prefix` + its key
-        path) as `snapshot`: buffers copied here, everything else in the async_save's thread before the next optimizer
+        path) as `snapshot`: buffers copied here, everything else in its thread before the next optimizer
         step, a DTensor as a DTensor of the same placements over its staged local shard. Its parameters are
         staged before any `snapshot` copy of this save, which reads views of them from there."""
         staged: dict = {}

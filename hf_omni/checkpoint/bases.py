@@ -1,4 +1,4 @@
-"""LoRA bases written once per run (`lora.base`): the write, the marker's record of them, their checks at
+"""LoRA bases written once per run (`files.lora_base`): the write, the marker's record of them, their checks at
 resume and in the CLI, and which of them rotation may delete.
 
     first save of a run (or after resuming from a checkpoint whose base is outside this run's `frozen/`):

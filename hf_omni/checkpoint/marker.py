@@ -4,7 +4,7 @@ size and checked against the list, and the checkpoints of a run that carry one.
     <dir>/hf_omni_checkpoint.json     written last, atomically (temp file + fsync + rename + fsync of the folder)
     <output_dir>/frozen/<module>-<token>/hf_omni_base.json    a LoRA base's marker, written and checked the same way
 
-What a marker holds and how a whole checkpoint is checked and rotated: `files.py`.
+What a marker holds and how a whole checkpoint is checked and rotated: `contents.py`.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def save_json(value, folder: str, name: str) -> None:
 def save_state_tensors(folder: str, optimizer_tensors: dict, tensors: dict, async_save=None, group=None,
                        ema: dict | None = None, mesh=None) -> None:
     """The tensors of `state/` through DCP (every rank its own shards; DCP raises on every rank when one fails).
-    Async (`async_save`, `async_save.AsyncSave`): the async_save copies them in its thread before the next optimizer
+    Async (`async_save`, an `async_save.AsyncSave`): it copies them in its thread before the next optimizer
     step, into its staging buffers, reused from one save to the next (a master weight copied once, for `state/`
     and the HF files alike); this rank's files are then planned on it alone (`shard_plan`; `group`: the ranks,
     `mesh`: a tensor-parallel module's whole mesh) and written by the writer process, with no collective.
@@ -197,7 +197,7 @@ class ModuleState:
 
     @property
     def plan(self):
-        """Its HF files' plan (`modules.folder_plan`), worked out at the first save."""
+        """Its HF files' plan (`files.folder_plan`), worked out at the first save."""
         if self._plan is None:
             self._plan = plan_folder(self.slot.module, self.slot.export_dtypes)
         return self._plan

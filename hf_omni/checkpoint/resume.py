@@ -4,7 +4,7 @@
     -> optimizer shards (DCP reshards) + optimizer / scheduler JSON -> the Stateful composites -> EMA shadows
     (`state/ema.json`; also for a weights-only load: the best model's EMA) -> GradScaler
 
-Every step some rank does alone ends in an agreement (`dist.agreed`), so a rank that fails fails them all.
+Every step some rank does alone ends in an agreement (`core.dist.agreed`), so a rank that fails fails them all.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and opens no socket: it talks to its parent over two pipes (JSON lines of plain 
 and reads the tensors from the parent's staging buffers, which are shared memory (`staging.Staging`: each buffer
 a file in /dev/shm mapped by both, its name sent once, unlinked once both mapped it; reused from save to save, so a
 save sends nothing per tensor beyond its buffer name and offset). It writes what the parent planned: an HF folder's
-headers and rows at their offsets (`folder_files`, the export cast done here) and a `state/` shard file's header and
+headers and rows at their offsets (`files.in_place`, the export cast done here) and a `state/` shard file's header and
 tensors (`shard_plan`). It dies with its parent (PR_SET_PDEATHSIG), and exits when its pipe closes.
 
 Why a process: a writer thread holds the GIL while it runs Python (DCP's planning, the loops over tensors), and the

@@ -100,7 +100,7 @@ class Registry:
 
     def table(self) -> list[str]:
         """A markdown table of hf_omni's own entries (name, what it is, its settings), for the docs."""
-        rows = [f"| {self.kind} | what it is | settings |", "|---|---|---|"]
+        rows = [f"| {self.kind.replace('_', ' ')} | what it is | settings |", "|---|---|---|"]
         for name in (n for n in self.names() if n not in self._added):
             cls = self._classes[name]
             settings = getattr(cls, "settings_class", None)

@@ -1,6 +1,6 @@
 """`empty_init`: a module built on the meta device by its format (`ModuleFormat.build_empty`), then given what
 `PreTrainedModel.from_pretrained` gives a loaded model, step by step (docs/from_pretrained.md lists every step and
-what hf_omni does for it; the first four are the transformers format's, `formats.pretrained`).
+what hf_omni does for it; the first four are the transformers format's, `formats.transformers`).
 
     build (saved dtype, parameters on meta, buffers computed) -> tie weights -> keep-in-fp32 dtype plan
     -> generation config -> LoRA adapter injected (on meta)          [build_empty, at from_pretrained]

@@ -72,7 +72,7 @@ def module_files(folder: str) -> list[str]:
 
 def module_paths(folder: str) -> dict[str, str]:
     """A module folder's HF files (`MODULE_FILES`, regular files, no links): name -> path. A LoRA checkpoint folder
-    whose base was written apart (`lora.base`) gets the base's weight files too, as if they were beside it."""
+    whose base was written apart (`lora_base`) gets the base's weight files too, as if they were beside it."""
     import fnmatch
 
     patterns = module_patterns()

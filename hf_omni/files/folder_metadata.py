@@ -25,7 +25,7 @@ def export_dtype(module: nn.Module, dtypes: dict) -> torch.dtype | None:
 def write_metadata(module: nn.Module, folder: str, plan, processor=None, dtype=None, base: str | None = None
                    ) -> None:
     """Rank 0: the index, the format's config files (with the exported dtype), the adapter config (when the plan
-    holds the adapter file) and the processor. `base`: the folder holds the adapter alone, its base written apart (`lora.base`): no config of its own (transformers then loads the adapter's
+    holds the adapter file) and the processor. `base`: the folder holds the adapter alone, its base written apart (`lora_base`): no config of its own (transformers then loads the adapter's
     `base_model_name_or_path`, as for any PEFT adapter folder)."""
     fmt = format_of(module)
     if base is None:

@@ -60,7 +60,7 @@ class FolderPlan:
         return len(self.files[name]) + sum(e.nbytes for e in self.entries if e.file == name)
 
     def adapter_only(self) -> "FolderPlan":
-        """The adapter file alone: a checkpoint's folder of a LoRA module whose base is written once (`lora.base`)."""
+        """The adapter file alone: a checkpoint's folder of a LoRA module whose base is written once (`lora_base`)."""
         return FolderPlan({n: h for n, h in self.files.items() if n == ADAPTER_WEIGHTS},
                           [e for e in self.entries if e.file == ADAPTER_WEIGHTS], self.groups, self.aliases)
 

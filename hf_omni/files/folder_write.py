@@ -93,7 +93,7 @@ def _jobs(module: nn.Module, plan: FolderPlan, tensors: dict, dtypes: dict, solo
           buffers: set, files, failed: list, whole_mesh=None) -> list:
     """Every rank, in plan order (its collectives with it): (file, offset, values, dtype) of this rank's share of
     each tensor written as is (a LoRA layer's rows merged), then of the derived groups it converts. A share of a
-    tensor redistributed off dim 0 is written to `files` at once (a save without async_save) and let go; an OSError
+    tensor redistributed off dim 0 is written to `files` at once (a save that is not async) and let go; an OSError
     there, and any error of a rank-local step (a merge, a derived group's conversion), goes to `failed`, raised once
     every rank has joined every collective."""
     lora_a = {n: full(tensors[n]) for spec in (merge or {}).values() for n in spec.wholes}  # every rank, in order
@@ -153,7 +153,7 @@ def write_module_folder(module: nn.Module, folder: str, plan: FolderPlan, proces
     groups are gathered and converted now (on the device), copied to the host in its thread too. `solo`: the calling process writes every file alone (a module with no
     sharded tensor, saved by one rank). `merge` (`lora.merge.row_merge_plan`, with a `merged` plan): each LoRA
     layer's weight rows written merged. `base`: the adapter config's base reference (an adapter-only plan whose base
-    is written apart, `lora.base`). `main_only`: tensors the main process writes alone (only it holds them: an
+    is written apart, `lora_base`). `main_only`: tensors the main process writes alone (only it holds them: an
     adopted model's offline module, read back from its source for the write)."""
     dtypes = dtypes or {}
     dtype = export_dtype(module, dtypes)

@@ -25,7 +25,9 @@ class ModuleFormat:
     """A kind of module. Subclass it, set the file names, write the methods that raise here; the defaults are those
     of a module with no save-time key conversion and no Hub link check."""
 
-    name = "module"  # a short name, for messages
+    name = "module"  # a short name, for messages (its registry name: the class's own `name`, else its qualname)
+    description = ""  # one line, for the docs
+    settings_class = None  # a format takes no settings
     config_files: tuple[str, ...] = ("config.json",)  # its folder's config file(s); the first marks a module folder
     other_files: tuple[str, ...] = ()  # more non-weight files its folder may hold (patterns, copied with it)
     weights_pattern = "model{suffix}.safetensors"  # the weights file ({suffix}: "" or a shard's "-00001-of-00002")

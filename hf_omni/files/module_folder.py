@@ -11,9 +11,9 @@ from .format import config_files
 
 def module_folder(root: str, config: OmniConfig, name: str) -> str:
     """Where module `name` of the composed model saved at `root` is read from: its subfolder when that holds an HF
-    module (a `config.json`, or another format's config file), else its recorded source, which must be an HF module folder. The subfolder must stay
-    inside `root` (a symlink leaving it is refused). A clear error naming the module otherwise. (A module folder:
-    one holding a module format's config file, `files.format`.)"""
+    module (a `config.json`, or another format's config file), else its recorded source, which must be an HF module
+    folder. The subfolder must stay inside `root` (a symlink leaving it is refused). A clear error naming the module
+    otherwise. (A module folder: one holding a module format's config file, `files.format`.)"""
 
     entry = config.module_entry(name)
     folder = os.path.join(root, entry.subfolder)

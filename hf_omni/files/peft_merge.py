@@ -65,7 +65,7 @@ def untie_adapted_halves(peft_model: nn.Module) -> None:
 
 def save_merged(module: nn.Module, folder: str, state: dict[str, torch.Tensor], processor: Any = None,
                 dtype: torch.dtype | None = None, max_shard_size: str | int = "50GB") -> None:
-    """The main process: a LoRA module merged by PEFT itself (`lora.merged_module`, from its gathered `state`)
+    """The main process: a LoRA module merged by PEFT itself (`merged_module`, from its gathered `state`)
     written to `folder` alone, as any module of its format is — for the adapters `lora.merge` cannot merge row by
     row. `dtype`: the module's dtype as loaded, recorded where its live parameters (fp32 masters) differ."""
     merged = merged_module(module, state)

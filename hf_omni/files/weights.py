@@ -1,7 +1,7 @@
 """Reading a module's tensors back in place from its HF folder: every parameter and persistent buffer, a sharded
 one as this rank's rows only.
 
-Where each tensor lives in the folder is traced, not guessed (`tensor_layout.file_layout`): meta placeholders of the
+Where each tensor lives in the folder is traced, not guessed (`saved_keys.file_layout`): meta placeholders of the
 module's tensors go through exactly what a save applies (`folder_plan`) (LoRA keys split off, transformers' save-time
 key conversion, PEFT's adapter naming), and a tensor whose placeholder comes out under some key, as the same object,
 is stored there as is. What the files do not hold as is (MoE experts that transformers splits on save, ...) a

@@ -40,6 +40,7 @@ def from_diffusers(cls: type) -> bool:
 @register_module_format
 class DiffusersFormat(ModuleFormat):
     name = "diffusers"
+    description = "a diffusers `ModelMixin` in the folder its `save_pretrained` writes"
     config_files = ("config.json",)
     weights_pattern = "diffusion_pytorch_model{suffix}.safetensors"
     weights_index = "diffusion_pytorch_model.safetensors.index.json"

@@ -56,6 +56,7 @@ def auto_class(class_name: str) -> tuple[str, bool]:
 @register_module_format
 class TransformersFormat(ModuleFormat):
     name = "transformers"
+    description = "a transformers `PreTrainedModel` in the folder its `save_pretrained` writes"
     config_files = ("config.json",)
     other_files = ("generation_config.json",)
     library_name = "transformers"

@@ -9,7 +9,7 @@ Row by row, as PEFT's `merge_and_unload` computes them (its dtypes and casts): p
 rows of the magnitude vector too); a LoRA bias (the base bias's rows + scaling · lora_B's bias rows);
 `modules_to_save` (the trained copy's rows written in place of the original's). Anything else — `fan_in_fan_out`,
 LoRA on embeddings or convolutions, several adapters, other variants, an adapted weight tied to another — is
-merged by PEFT itself on a gathered copy (`lora.merged_module`).
+merged by PEFT itself on a gathered copy (`files.peft_merge`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Timing marks for the per-module profile (`profile.py`): CUDA events on a GPU, a host clock with the same interface
-on CPU, so the CPU tests run the same code; and which optimizer steps carry the marks."""
+"""Timing marks for the per-module profile (`profile`): CUDA events on a GPU, a host clock with the same interface on
+CPU, so the CPU tests run the same code; and which optimizer steps carry the marks."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def partly_given(spec, values: dict) -> str | None:
 
 
 def share_inputs(groups: dict, problem: str | None = None) -> dict:
-    """One all-gather of host metadata on hf_omni's gloo side group (`dist.all_gather_host`: no device memory is
+    """One all-gather of host metadata on hf_omni's gloo side group (`core.dist.all_gather_host`: no device memory is
     read) for every group of columns at once: `groups` is {key: {column: value}} (the same keys and columns on every
     rank), and the answer {key: Shared}. A rank that found its inputs wrong (`problem`) says so in the same
     all-gather, and every rank then raises the same error, naming that rank."""

@@ -69,8 +69,8 @@ class Boundary:
     first): only the outermost call gathers (the module's own call of its embeddings runs on gathered rows)."""
 
     def __init__(self, module_name: str, mesh, key: str, name: str):
-        """`mesh`: the group's 1-D mesh; `key`: the setting errors name (`parallelism.tp_size`); `name`: the
-        group's, in messages (`tensor-parallel`)."""
+        """`mesh`: the group's 1-D mesh; `key`: the setting errors name (the layout's `parallelism.<name>_size`);
+        `name`: the group's, in messages (`tensor-parallel`)."""
         self.module_name, self.key, self.name, self.group = module_name, key, name, mesh.get_group()
         self.me, self.size = mesh.get_local_rank(), mesh.size()
         self.depth, self.sizes = 0, None

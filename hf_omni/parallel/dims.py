@@ -27,7 +27,7 @@ def known_keys() -> tuple[str, ...]:
 
 
 def parallelism_config_sizes() -> tuple[str, ...]:
-    """The size fields of Accelerate's `ParallelismConfig` (`cp_size`, `sp_size`, ...)."""
+    """The size fields of Accelerate's `ParallelismConfig` (its `*_size` fields)."""
     from accelerate.utils import ParallelismConfig
 
     return tuple(f.name for f in dataclasses.fields(ParallelismConfig) if f.name.endswith("_size"))
@@ -172,7 +172,8 @@ def role_table() -> list[str]:
     rows = ["| key | what it is | mesh dim | rule | not with | LoRA | boundary |", "|---|---|---|---|---|---|---|"]
     rows += [f"| `{DATA_KEYS[0]}` | replicas (HSDP: with `dp_shard_size`) | `{REPLICATE}`, outermost | multiplies "
              "the world size | - | yes | - |",
-             f"| `{DATA_KEYS[1]}` | FSDP2's shard group (default: the world) | `{SHARD}` | multiplies the world size | - "
+             f"| `{DATA_KEYS[1]}` | FSDP2's shard group (default: the world) | `{SHARD}` | multiplies the world size "
+             "| - "
              "| yes | - |"]
     for cls in LAYOUTS.own():
         where = f"`{cls.name}`, {ROLES[cls.dim].split(':')[0]}" if cls.dim else "a mesh of its own"

@@ -62,7 +62,7 @@ class Strategy:
 
     name = ""
     description = ""  # one line, for the key tables
-    settings_class: type | None = None  # its settings dataclass (keys declared with `keys.key`), or None
+    settings_class: type | None = None  # its settings dataclass (keys declared with `core.keys.key`), or None
     settings_key: str | None = None  # the per-module key holding them (`fsdp_plugin`)
     collective = False  # its forward / backward runs collectives that every rank must enter
     shards = False  # its tensors are this rank's shares (DTensors): an `empty_init` module is read after `apply`
@@ -94,7 +94,7 @@ class Strategy:
     @classmethod
     def for_module(cls, slot, mesh=None, lazy_init: bool = True, meshes=None) -> "Strategy":
         """The strategy for one module, from its slot's resolved arguments (`mesh`: its device mesh, if it takes
-        one; `lazy_init=False`: it is on the meta device until read after wrapping; `meshes`: the run's `mesh.Meshes`,
+        one; `lazy_init=False`: it is on the meta device until read after wrapping; `meshes`: the run's `dims.Meshes`,
         where it builds any other mesh it needs on the same ranks)."""
         return cls(slot.name, slot.settings, mesh)
 
