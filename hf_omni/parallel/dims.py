@@ -30,7 +30,7 @@ def parallelism_config_sizes() -> tuple[str, ...]:
     """The size fields of Accelerate's `ParallelismConfig` (its `*_size` fields)."""
     from accelerate.utils import ParallelismConfig
 
-    return tuple(f.name for f in dataclasses.fields(ParallelismConfig) if f.name.endswith("_size"))
+    return tuple(f.name for f in dataclasses.fields(ParallelismConfig) if f.name.endswith("size"))
 
 
 @dataclasses.dataclass
