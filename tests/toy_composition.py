@@ -42,6 +42,9 @@ class RecipeComposition(PlainComposition):
         with open(os.path.join(root, RECIPE)) as f:
             model.recipe = json.load(f)
 
+    def owns_saved(self, root: str) -> bool:
+        return os.path.isfile(os.path.join(root, RECIPE))
+
     def beside_patterns(self, config) -> list[str]:
         return [RECIPE]
 

@@ -38,10 +38,10 @@ class PlainComposition(Composition):
     catch_all = True
 
     def holds(self, config) -> bool:
-        return True
+        return self.catch_all  # every root config no other kind holds (a subclass claims none unless it says so)
 
     def owns_saved(self, root: str) -> bool:
-        return True
+        return self.catch_all
 
     # -- building ---------------------------------------------------------------------------------
     def compose(self, cls, modules: dict, processors: dict | None = None, sources: dict | None = None):

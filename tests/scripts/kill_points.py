@@ -24,6 +24,7 @@ import hf_omni.checkpoint.module_state as module_state
 import hf_omni.checkpoint.async_save as async_save_module
 import hf_omni.checkpoint.writer_process as writer_process
 import hf_omni.cli
+import hf_omni.compositions.plain as plain
 import hf_omni.files.folder_write as module_io
 from hf_omni.checkpoint.checkpointer import ModuleCheckpointer
 from hf_omni.modeling import OmniModel
@@ -138,7 +139,7 @@ POINTS = {
     "scheduler": (lambda: kill_on_call(module_state, "save_scheduler", at_ckpt10), {}),
     "dcp_shards": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10), {}),
     "dcp_shards_written": (lambda: kill_on_call(module_state, "save_state_tensors", at_ckpt10, before=False), {}),
-    "root_config": (lambda: kill_on_call(OmniModel, "write_config", at_ckpt10), {}),
+    "root_config": (lambda: kill_on_call(plain.PlainComposition, "write_root", at_ckpt10), {}),
     "rng": (lambda: kill_on_call(OmniTrainer, "_save_rng_state", at_ckpt10), {}),
     "trainer_state": (lambda: kill_on_call(TrainerState, "save_to_json", at_ckpt10), {}),
     "marker_temp_file": (marker_tmp_then_kill, {}),
@@ -214,7 +215,7 @@ def main(out_dir: str):
                           "resume": in_child(resumed)}
 
     def export_killed():
-        kill_on_call(hf_omni.cli, "copy_module_folder", counting(2), before=False)  # after two of the modules
+        kill_on_call(plain, "copy_module_folder", counting(2), before=False)  # after two of the modules
         hf_omni.cli.export(os.path.join(out_dir, "straight", "checkpoint-15"), os.path.join(out_dir, "export"))
 
     results["export"] = {"killed": in_child(export_killed),
