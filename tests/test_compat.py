@@ -79,6 +79,9 @@ def test_package_layout_rules():
     for rel, text in _sources():
         assert text.count("\n") <= 250, f"{rel} has {text.count(chr(10))} lines (limit ~250: one job per file)"
         for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{rel}:{node.lineno} {node.name} has {length} lines (limit 60: named steps)"
             if isinstance(node, ast.ImportFrom) and node.level > 0:
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{rel} imports private {private} from .{node.module or ''}"

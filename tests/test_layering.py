@@ -1,5 +1,6 @@
-"""No import circle between hf_omni's own files, imports inside functions counted (design.md section 3). The limit of
-250 lines a file is `test_compat.test_package_layout_rules`.
+"""No import circle between hf_omni's own files or folders, imports inside functions counted (design.md section 3);
+every import runs down the layers; every package's docstring names its files. The limits of 250 lines a file and 60
+lines a function are `test_compat.test_package_layout_rules`.
 
 Every `hf_omni/**/*.py` is parsed with `ast`; every import of an hf_omni module, at the top or anywhere below it, is an
 edge (relative imports resolved; `from . import x` where x is a submodule is an edge to that submodule). A strongly
