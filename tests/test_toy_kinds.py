@@ -53,6 +53,27 @@ def test_the_layout_declares_its_dim_and_its_rules(tmp_path):
                                                 "lora": {"r": 2, "target_modules": ["q_proj"]}}})  # LoRA composes
 
 
+def test_fsdp2_shards_over_the_data_dims_with_the_layouts_replicate_dim_flattened():
+    """Rank 0 of a fake world of 8 (no data moves): the module's mesh, and FSDP2's 2-D (replicate, shard) mesh with
+    `dp_replicate` and `toy` flattened into one replicate dim."""
+    import torch.distributed as dist
+
+    from hf_omni.compat import init_fake_process_group
+    from hf_omni.parallel.dims import Meshes
+
+    init_fake_process_group(0, 8)
+    try:
+        dims = ModuleDims.parse("llm", {"dp_replicate_size": 2, "toy_size": 2, "dp_shard_size": 2}, 8)
+        mesh = dims.mesh(Meshes("cpu"))
+        data = dims.data_mesh(mesh)
+        assert mesh.mesh_dim_names == ("dp_replicate", "toy", "dp_shard") and tuple(mesh.shape) == (2, 2, 2)
+        assert data.mesh_dim_names == ("dp_replicate_toy", "dp_shard") and tuple(data.shape) == (4, 2)
+        alone = ModuleDims.parse("llm", {"toy_size": 2, "dp_shard_size": 4}, 8)
+        assert alone.data_mesh(alone.mesh(Meshes("cpu"))).mesh_dim_names == ("toy", "dp_shard")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_two_ranks_equal_one_process_and_resume_bitwise(single, two_ranks, name):
     one, two = single[name], two_ranks[name]

@@ -209,7 +209,8 @@ def fsdp_padded_shards(module: nn.Module) -> dict[str, tuple[int, torch.Size]]:
 
 def flatten_mesh(mesh, names: tuple[str, ...]) -> str:
     """Dims `names` of `mesh` flattened into one (`DeviceMesh._flatten`, as torchtitan flattens `dp_shard x cp`);
-    returns the flat dim's name, by which `mesh[...]` slices it."""
+    returns the flat dim's name, by which `mesh[...]` slices it (torch 2.13 warns that slicing a flattened dim from
+    the root mesh will go: then keep the flattened mesh instead)."""
     flat = "_".join(names)
     resolve("torch.distributed.device_mesh.DeviceMesh._flatten")
     mesh[names]._flatten(flat)

@@ -65,6 +65,8 @@ def kind_of(slot, fsdp_scope: str) -> str:
 
 
 def plan(accelerator, model, fsdp_scope: str, model_settings: dict | None, timeout_s: float | None) -> Run:
+    """Each module's strategy, dimensions and flags, in the order every step takes them; every refusal that needs the
+    modules (a mesh the world does not fit, a layout a module cannot take) before anything is placed."""
     model.sync_parts()  # an adopted model: submodules PEFT replaced, into the released model
     scoped = fsdp_scope == "model" and has_process_group()
     run = Run(accelerator, model, accelerator.device, run_compute_dtype(accelerator), scoped, model_settings,
