@@ -291,8 +291,12 @@ def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
     logits = torch.randn(3, 4, 5)
     kept = boundary._keep(CausalLMOutputWithPast(logits=logits, hidden_states=(logits, logits + 1)), "output")
     assert torch.equal(kept.logits, logits[1:]) and torch.equal(kept.hidden_states[1], logits[1:] + 1)
-    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*its loss \(\) is not one row per input"):
-        boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=logits), "output")
+    boundary.summed = True  # a loss over Trainer's global token count: a sum over the group's rows, 1/T a rank
+    assert boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(3.0), logits=logits), "output").loss == 1.5
+    boundary.summed = False  # a mean over the group's rows: each rank's whole
+    assert boundary._keep(CausalLMOutputWithPast(loss=torch.tensor(3.0), logits=logits), "output").loss == 3.0
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*its attentions \(2,\) is neither one"):
+        boundary._keep({"attentions": torch.ones(2)}, "output")
     field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # 5.25 / 5.23
     with pytest.raises(OmniArgumentError, match=rf"llm.*its {field} is a DynamicCache.*use_cache=False"):
         boundary._keep(CausalLMOutputWithPast(logits=logits, **{field: DynamicCache()}), "output")
@@ -359,3 +363,28 @@ def test_experts_fewer_than_their_efsdp_ranks_are_sharded_on_a_dim_that_divides(
     weight = model.llm.model.layers[0].mlp.experts.gate_up_proj  # [4, 64, 16]
     assert str(weight.placements) == "(Shard(dim=1), Shard(dim=0))"
     assert tuple(weight.to_local().shape) == (1, 32, 16)
+
+
+@pytest.mark.parametrize("heads, kv, what", [(3, 3, "3 attention heads"), (4, 1, "1 key/value heads")])
+def test_heads_tp_size_cannot_split_are_refused_before_any_compute(tmp_path, heads, kv, what):
+    """3 attention heads, or 1 key/value head, at tp_size 2: refused by module and key when the arguments meet the
+    model (`OmniTrainer(...)` / `OmniPlugin.resolve`, under a process group: rank 0 of a fake world of 2), not as a
+    reshape error inside the first step."""
+    import torch.distributed as dist
+
+    from hf_omni import OmniPlugin
+    from hf_omni.testing.digits import Captioner
+
+    llm = LlamaForCausalLM(LlamaConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=1, vocab_size=24,
+                                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=8))
+    match = rf"llm.*parallelism\.tp_size.*{what}.*which 2 ranks cannot split evenly"
+    with pytest.raises(OmniArgumentError, match=match):
+        layouts_for("llm", TP2)[0].check(llm)
+    base = tiny_model()
+    model = Captioner.from_modules({**base.omni_modules(), "llm": llm}, processors=base.processors)
+    init_fake_process_group(0, 2)
+    try:
+        with pytest.raises(OmniArgumentError, match=match):
+            OmniPlugin(modules={"llm": {"parallel": "fsdp", "parallelism": TP2}}, output_dir=str(tmp_path)).resolve(model)
+    finally:
+        dist.destroy_process_group()

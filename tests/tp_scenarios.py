@@ -80,6 +80,10 @@ EMA = {"dp2_tp2", "dp4_ep2"}  # the llm's EMA shadows split like it: updated, ch
 # bf16 compute on a Llama saved in bf16: fp32 masters split by tp, gathered in bf16, exported in bf16
 SCENARIOS["tp2_bf16"] = (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
 BF16 = {"tp2_bf16"}
+# the README's own model: its LLM computes the loss from `labels` with Trainer's global token count (a scalar inside the
+# split module: each rank reports its share)
+SCENARIOS["dp2_tp2_labels"] = (4, llm(DP2_TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=2))
+LABELS = {"dp2_tp2_labels"}
 TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
 # saved by the writer thread, `save`)
 SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
@@ -92,8 +96,10 @@ ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, mod
 MOE |= {"dp4_ep2_to_ep2"}
 
 
-def model(name: str, seed: int = 0) -> RowLossCaptioner:
+def model(name: str, seed: int = 0) -> Captioner:
     """The scenario's model (`seed`: 7 for a run whose every weight comes from a checkpoint)."""
+    if name in LABELS:
+        return helpers.tiny_model(seed)
     built = tp_model(seed, tied=name in TIED, moe=name in MOE)
     if name in BF16:
         built.llm.to(torch.bfloat16)  # as loaded from bf16 files

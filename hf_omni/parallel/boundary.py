@@ -1,17 +1,20 @@
 """The row boundary of a layout whose group runs one batch together (tensor parallelism, `tensor.py`): the rest of
 the composed model is data parallel over every rank (each its own rows), while the module's group must run one batch
-together. So the ranks of one TP group
-gather their row inputs (the module runs once on the group's concatenated rows) and each keeps its own rows of the
-row outputs.
+together. So the ranks of one TP group gather their row inputs (the module runs once on the group's concatenated
+rows) and each keeps its own rows of the row outputs.
 
 Backward: transformers' styles assume the output gradient is the same on every rank of the group (their
 `Partial -> Replicate` backward is local, norms are plain replicas), so `KeepRows`' backward gathers the rows'
 gradients over the group, scaled by 1/T; `GatherRows`' backward is then a local slice, scaled back by T. FSDP's
 average over the data-parallel dims then equals the mean over every rank's rows, as for a data-parallel module.
 Ragged groups (ranks with different row counts) are exact; trailing dims must agree (a row tensor whose other dims
-differ across the group is refused by name). Outputs that are not one row per input row (a loss computed inside the
-module, a cache) are refused by name: compute them outside the module from its own rows. A forward taking
-`use_cache` is passed `use_cache=False` where it is unset (a released model's forward calling its LLM).
+differ across the group is refused by name). A scalar the module computes over the group's rows (a causal LM's
+loss from `labels`) is each rank's share: normalised by a global count (the call passes `num_items_in_batch`,
+Trainer's token count over every rank) it is a sum over rows, and each rank reports 1/T of it, so that the ranks'
+losses add up, and their gradients average, to one process's; otherwise it is a mean over the group's rows, which
+each rank reports whole (one process's when every rank holds as many label tokens). Other outputs that are not one
+row per input row (a cache) are refused by name. A forward taking `use_cache` is passed `use_cache=False` where it is
+unset (a released model's forward calling its LLM).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Boundary:
         `name`: the group's, in messages (`tensor-parallel`)."""
         self.module_name, self.key, self.name, self.group = module_name, key, name, mesh.get_group()
         self.me, self.size = mesh.get_local_rank(), mesh.size()
-        self.depth, self.sizes = 0, None
+        self.depth, self.sizes, self.summed = 0, None, False
 
     def install(self, *modules: nn.Module) -> None:
         for module in modules:
@@ -90,6 +93,7 @@ class Boundary:
         if kwargs.get("use_cache") is None and takes_use_cache(module):  # unset (a released forward's call of its
             kwargs = {**kwargs, "use_cache": False}  # LLM): no cache (one of the group's rows would be no rank's)
         self.sizes = None  # a refusal below: `after` (always called, also then) keeps nothing and undoes `depth`
+        self.summed = kwargs.get("num_items_in_batch") is not None  # a loss over a global count: a sum over rows
         return self._gather_inputs(module, args, kwargs)
 
     def _gather_inputs(self, module, args, kwargs):
@@ -131,9 +135,10 @@ class Boundary:
         if isinstance(value, torch.Tensor):
             if value.ndim and value.shape[0] == sum(self.sizes):
                 return KeepRows.apply(value, self.group, self.sizes, self.me)
-            raise self.refuse(f"its {key} {tuple(value.shape)} is not one row per input row (a loss or statistic "
-                              "computed inside the module): compute it outside the module from its own rows (for "
-                              "a causal LM: pass no labels, take the loss from the logits)")
+            if value.ndim == 0:  # a loss over the group's rows: each rank's share (the module docstring)
+                return value / len(self.sizes) if self.summed else value
+            raise self.refuse(f"its {key} {tuple(value.shape)} is neither one row per input row nor a scalar: "
+                              "compute it outside the module from its own rows")
         if isinstance(value, dict):  # ModelOutput too: its fields are its items
             for name in list(value.keys()):
                 value[name] = self._keep(value[name], name)

@@ -15,7 +15,9 @@ import dataclasses
 import math
 
 from ..compat import flatten_mesh, group_options
+from ..core.dist import has_process_group, world_size
 from ..core.errors import OmniArgumentError
+from ..core.refusals import RESOLVED, refusal
 from .layout import LAYOUTS, ROLES, Layout
 
 REPLICATE, SHARD = "dp_replicate", "dp_shard"
@@ -151,6 +153,19 @@ def check_values(module: str | None, entry: dict) -> None:
         if key not in registered and size > 1:
             raise OmniArgumentError(module, f"parallelism.{key}", "a field of Accelerate's ParallelismConfig that "
                                     "no per-module layout serves in hf_omni; registered: " + ", ".join(registered))
+
+
+@refusal(RESOLVED)
+def refuse_layouts_the_modules_cannot_take(model, args) -> None:
+    """Under a process group, at `OmniTrainer(...)` / `OmniPlugin.resolve`: each module's `parallelism` against the
+    world size, and each layout it asks for against the module (its plan, its heads, its experts)."""
+    if not has_process_group() or args.fsdp_scope == "model":
+        return
+    for name, slot in model.slots.items():
+        margs = slot.args
+        if margs.strategy.takes_mesh and (margs.trainable or margs.parallel_from_module):
+            for layout in ModuleDims.parse(name, margs.parallelism, world_size()).layouts_of():
+                layout.check(slot.module)
 
 
 def check_parallelism(module: str | None, value: dict) -> None:

@@ -42,9 +42,14 @@ class ExpertLayout(Layout):
     excludes = ("tp_size",)
     lora = "PEFT's adapters on fused experts would need splitting by expert ranges like the experts"
 
-    def plan(self, module: nn.Module) -> dict:
+    def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
+        """(the model the plan is applied to, its plan): the module itself, or an adopted model's module's released
+        model with the entries under its paths (`Layout.scoped`)."""
+        return self.scoped(module, self.model_plan)
+
+    def model_plan(self, model: nn.Module) -> dict:
         try:
-            return expert_parallel_plan(module, self.size(), self.size("dp_shard_size"),
+            return expert_parallel_plan(model, self.size(), self.size("dp_shard_size"),
                                         self.size("dp_replicate_size"))
         except ValueError as err:  # transformers' own sizing rule; "... has no `ep_plan`": refused by `check`
             if "ep_plan" in str(err):
@@ -52,12 +57,13 @@ class ExpertLayout(Layout):
             raise OmniArgumentError(self.module_name, KEY, str(err)) from None
 
     def check(self, module: nn.Module) -> None:
-        plan, ep = self.plan(module), self.size()
+        model, plan = self.split(module)
+        ep = self.size()
         if not any(style == DISPATCH for style in plan.values()):
-            raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has no expert-parallel plan "
+            raise OmniArgumentError(self.module_name, KEY, f"{type(model).__name__} has no expert-parallel plan "
                                     "(transformers' `config.base_model_ep_plan`): use dp_shard_size / "
                                     "dp_replicate_size only")
-        params = dict(module.named_parameters())
+        params = dict(model.named_parameters())
         for name, style in plan.items():
             if style == FUSED and name in params and params[name].shape[0] % ep:
                 raise OmniArgumentError(self.module_name, KEY, f"{name} holds {params[name].shape[0]} experts, "
@@ -73,9 +79,9 @@ class ExpertLayout(Layout):
         return self.meshes.get(shape, names)
 
     def apply(self, module: nn.Module, mesh) -> None:
-        plan, experts = self.plan(module), self.mesh()
-        apply_expert_plan(module, experts["ep"], experts["batch"], plan)
-        self.units = [module.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
+        (model, plan), experts = self.split(module), self.mesh()
+        apply_expert_plan(model, experts["ep"], experts["batch"], plan)
+        self.units = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
 
     def shard_first(self, module: nn.Module, kwargs: dict) -> None:
         """Each experts module its own FSDP2 unit over the ranks holding the same experts (and the replicas)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..core.errors import OmniArgumentError
 from ..core.registry import Registry
+from ..modules.units import roots_of
 
 ROLES = {
     "model": "innermost, after the data dims: the layout splits the module's tensors over it, FSDP2 shards the rest "
@@ -53,6 +54,22 @@ class Layout:
     def size(self, key: str | None = None) -> int:
         """Its own size, or another key's size in the module's `parallelism` entry (1 where unset)."""
         return self.sizes.get(key or self.size_key, 1)
+
+    def scoped(self, module: nn.Module, plan_of) -> tuple[nn.Module, dict]:
+        """(the model a transformers plan applies to, its plan, `plan_of(model)`): the module itself, or for an
+        adopted model's module the released model with the entries under the module's paths (its LLM's layers, its
+        `lm_head`), not under a child carved out for another module."""
+        roots = roots_of(module)
+        model = getattr(module, "omni_released", None) if roots else module
+        if model is None:
+            return module, {}
+        plan = plan_of(model)
+        if roots:
+            paths = [r.path for r in roots]
+            carved = [f"{r.path}.{c}" for r in roots for c in r.carved]
+            under = lambda key, tops: any(key == top or key.startswith(top + ".") for top in tops)  # noqa: E731
+            plan = {k: v for k, v in plan.items() if under(k, paths) and not under(k, carved)}
+        return model, plan
 
     def check(self, module: nn.Module) -> None:
         """Refuse, naming the module and `parallelism.<size_key>`, what it cannot split (before anything is)."""

@@ -20,7 +20,7 @@ from torch import nn
 from ..compat import apply_tensor_plan, tensor_parallel_plan
 from ..core.errors import OmniArgumentError
 from ..modules.embeddings import embeddings_of
-from ..modules.units import roots_of, run_roots
+from ..modules.units import run_roots
 from .boundary import Boundary, refuse_methods
 from .layout import Layout, register_layout
 
@@ -43,18 +43,8 @@ class TensorLayout(Layout):
     def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
         """(the model the plan is applied to, its plan): the module itself, or for an adopted model's module the
         released model with the entries under the module's paths (its LLM's layers, its `lm_head`)."""
-        roots = roots_of(module)
-        model = getattr(module, "omni_released", None) if roots else module
-        if model is None:
-            return module, {}
-        plan = tensor_parallel_plan(model, self.size(), self.size("dp_shard_size"),
-                                    self.size("dp_replicate_size"))
-        if roots:
-            paths = [r.path for r in roots]
-            carved = [f"{r.path}.{c}" for r in roots for c in r.carved]
-            under = lambda key, tops: any(key == top or key.startswith(top + ".") for top in tops)  # noqa: E731
-            plan = {k: v for k, v in plan.items() if under(k, paths) and not under(k, carved)}
-        return model, plan
+        return self.scoped(module, lambda model: tensor_parallel_plan(
+            model, self.size(), self.size("dp_shard_size"), self.size("dp_replicate_size")))
 
     def plan(self, module: nn.Module) -> dict:
         return self.split(module)[1]
@@ -76,6 +66,19 @@ class TensorLayout(Layout):
             raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has no tensor-parallel plan "
                                     "(transformers' `config.base_model_tp_plan` / the class's `_tp_plan`): use "
                                     "dp_shard_size / dp_replicate_size only")
+        self.check_heads(model)
+
+    def check_heads(self, model: nn.Module) -> None:
+        """Attention splits by heads: the query and key/value heads of the config its plan reads divide by T."""
+        config = getattr(model, "config", None)
+        text = getattr(config, "get_text_config", lambda: config)()
+        tp = self.size()
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(text, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise OmniArgumentError(self.module_name, KEY, f"{type(model).__name__} has {heads} "
+                                        f"{'key/value' if 'key' in key else 'attention'} heads ({key}), which {tp} "
+                                        "ranks cannot split evenly: use a tp_size that divides it")
 
     def apply(self, module: nn.Module, mesh) -> None:
         model, plan = self.split(module)
