@@ -3,6 +3,7 @@
 `single` push (token given as `hub_token`) links the encoder at its commit again; changed by hand, it is uploaded."""
 
 import json
+import os
 
 import huggingface_hub
 import pytest
@@ -77,3 +78,27 @@ def test_an_encoder_loaded_back_from_a_composition_repo_is_linked_again_not_uplo
     assert "vision/model.safetensors" in files and vision_entry(hub, "org/two")["hub_repo"] is None
     torch.testing.assert_close(Captioner.from_pretrained("org/two").vision.embeddings.cls_token,
                                again.vision.embeddings.cls_token, atol=0, rtol=0)
+
+
+def test_an_encoder_downloaded_with_only_the_files_a_module_needs_is_linked(hub, tmp_path):
+    """The repo holds more than a module folder (a notes file, a second weights format); hf_omni's own download
+    (`allow_patterns`) caches only the module's files, so the cache holds the repo's file list but not every file.
+    The link check finds the snapshot anyway and compares the files it needs: linked, not uploaded."""
+    from transformers import ViTModel
+
+    from hf_omni.hub.download import download_module
+
+    base = tiny_model()
+    ViTModel(base.vision.config).save_pretrained(tmp_path / "eye")
+    (tmp_path / "eye" / "notes.txt").write_text("not a module file\n")
+    huggingface_hub.HfApi().create_repo("org/eye")
+    huggingface_hub.HfApi().upload_folder(repo_id="org/eye", folder_path=str(tmp_path / "eye"))
+    eye_head = hub.repos["org/eye"]["branches"]["main"]
+    folder = download_module("org/eye", None, "vision")  # hf_omni's download: module files only
+    assert "notes.txt" not in os.listdir(folder)
+    model = Captioner.from_modules({"vision": ViTModel.from_pretrained(folder), "projector": base.projector,
+                                    "llm": base.llm}, processors=base.processors)
+    assert model.config.module_entry("vision").hub_repo == "org/eye"
+    run_and_push(model, tmp_path / "run", "org/name")
+    entry = vision_entry(hub, "org/name")
+    assert "org/name-vision" not in hub.repos and (entry["hub_repo"], entry["hub_revision"]) == ("org/eye", eye_head)

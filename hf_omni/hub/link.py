@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from ..core.errors import DamagedFileError
 from ..files.empty_init import build_empty
 from ..files.folder import load_processor
 from ..files.format import format_of, resolve_class
@@ -28,17 +29,16 @@ from ..files.saved_keys import file_layout, module_tensors
 logger = logging.getLogger(__name__)
 
 
-def cached_origin(repo_id: str, revision: str | None) -> str | None:
-    """The local Hub cache's snapshot of `repo_id` at `revision`, or None when it is not cached."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def cached_origin(repo_id: str, revision: str | None, config_file: str = "config.json") -> str | None:
+    """The local Hub cache's snapshot folder of `repo_id` at `revision`, or None when the cache has none: found by
+    its config file alone, so that a snapshot holding only some of the repo's files (hf_omni's own downloads fetch a
+    module's files, `allow_patterns`) counts; a file the comparison needs and the snapshot lacks means an upload."""
+    from huggingface_hub import try_to_load_from_cache
 
     if not revision:
         return None
-    try:
-        return snapshot_download(repo_id, revision=revision, local_files_only=True)
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        return None
+    path = try_to_load_from_cache(repo_id, config_file, revision=revision)
+    return os.path.dirname(path) if isinstance(path, str) else None
 
 
 def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision: str | None,
@@ -47,11 +47,14 @@ def rebuilds_from_origin(folder: str, class_record: str, repo_id: str, revision:
     holds (see the module docstring)."""
 
     fmt = format_of(resolve_class(class_record, name))
-    origin = cached_origin(repo_id, revision)
+    origin = cached_origin(repo_id, revision, fmt.config_files[0])
     if origin is None or not fmt.is_folder(origin):
         logger.info("hf_omni: module %r: %s@%s is not in the local Hub cache; uploading it", name, repo_id, revision)
         return False
-    why = _difference(folder, origin, class_record, processor_kind, name)
+    try:
+        why = _difference(folder, origin, class_record, processor_kind, name)
+    except (FileNotFoundError, DamagedFileError) as err:  # a file the load did not cache: nothing is downloaded
+        why = f"a file it needs is not in the local Hub cache ({err})"
     if why:
         logger.info("hf_omni: module %r differs from %s@%s (%s); uploading it", name, repo_id, revision, why)
     return not why
