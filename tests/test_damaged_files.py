@@ -1,7 +1,8 @@
 """A damaged file of a checkpoint, one process: each kind (a same-size garbled safetensors header, a header whose
 offsets pass the file's end, a truncated `state/` shard, DCP's sharding record, bad JSON, a changed tensor with
 `verify_checkpoint`, an adopted model's `released/` copy) is one `DamagedFileError` naming the file and what to do,
-raised by a resume before any step and by `hf-omni export` before anything is written."""
+raised by a resume before any step and by `hf-omni export` before anything is written; so is a JSON file a resume
+reads with a key renamed (valid JSON, found otherwise only when it is read)."""
 
 import json
 import os
@@ -85,6 +86,16 @@ def bad_json(path):
     open(path, "wb").write(data)
 
 
+def rename_key(old: str, new: str):
+    """Valid JSON with a key renamed, as a hand edit leaves it (the reader would fail only when it reads it)."""
+    def rename(path):
+        value = json.load(open(path))
+        value[new] = value.pop(old)
+        json.dump(value, open(path, "w"))
+
+    return rename
+
+
 def change_a_tensor(path):  # a valid header over other bytes: only the recorded sha256 tells
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF
@@ -138,6 +149,9 @@ RESUMES = {
     "bad trainer state": ("composed", "trainer_state.json", bad_json),
     "bad adapter config": ("composed", "llm/adapter_config.json", bad_json),
     "bad optimizer json": ("composed", "llm/state/optimizer.json", bad_json),
+    "renamed trainer state key": ("composed", "trainer_state.json", rename_key("global_step", "global_steps")),
+    "renamed optimizer key": ("composed", "llm/state/optimizer.json", rename_key("param_groups", "groups")),
+    "renamed scheduler key": ("composed", "projector/state/scheduler.json", rename_key("last_epoch", "epoch")),
     "adopted: garbled projector": ("adopted", "projector/model.safetensors", garble_header),
     "adopted: garbled released copy": ("adopted", "released/model.safetensors", garble_header),
 }

@@ -143,6 +143,37 @@ def test_a_pipeline_is_adopted_and_saved_back_as_a_pipeline(tmp_path):
         OmniModel.from_modules({"unet": pipe.unet}).to_pipeline()
 
 
+@pytest.mark.parametrize("empty_init", [False, True], ids=["eager", "empty_init"])
+def test_a_damaged_pipeline_folder_is_named_before_anything_is_built(tmp_path, empty_init):
+    """A truncated `model_index.json`, one without its class, a component folder missing or without its config: one
+    clear error naming the file or the component's folder, eager or `empty_init`, nothing written."""
+    import shutil
+
+    from hf_omni.core.errors import DamagedFileError
+
+    sd_pipeline().save_pretrained(tmp_path / "good")
+    index = (tmp_path / "good" / "model_index.json").read_text()
+    cases = {
+        "truncated index": (lambda f: (f / "model_index.json").write_text(index[:len(index) // 2]),
+                            DamagedFileError, r"model_index\.json is not valid JSON"),
+        "index without its class": (lambda f: (f / "model_index.json").write_text(json.dumps({"unet": ["a", "b"]})),
+                                    DamagedFileError, r"model_index\.json is not a pipeline's model_index\.json"),
+        "no index": (lambda f: (f / "model_index.json").unlink(), FileNotFoundError, r"has no model_index\.json"),
+        "missing unet": (lambda f: shutil.rmtree(f / "unet"), FileNotFoundError,
+                         r"pipeline component 'unet': .*unet is missing or empty"),
+        "unet without config": (lambda f: (f / "unet" / "config.json").unlink(), FileNotFoundError,
+                                r"pipeline component 'unet': .*unet has no config\.json"),
+    }
+    for name, (damage, error, match) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "good", folder)
+        damage(folder)
+        before = sorted(p.name for p in folder.rglob("*"))
+        with pytest.raises(error, match=match):
+            OmniModel.from_pipeline(StableDiffusionPipeline, str(folder), empty_init=empty_init)
+        assert sorted(p.name for p in folder.rglob("*")) == before, name
+
+
 def test_sd_trains_as_the_diffusers_loop_resumes_and_exports(tmp_path):
     ref_losses, ref_pipe = reference("sd")
     result = run("sd", str(tmp_path), SD, batch=4)

@@ -10,6 +10,7 @@ headers (a few MB at most) and JSON files (configs, states, tokenizers), each fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "
         "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
         "F6_E2M3": 6, "F6_E3M2": 6}  # safetensors' dtypes; another name is only bounds-checked
 EARLIER = "resume or export from an earlier checkpoint (or restore this file from a copy)"
+NEEDS = {"optimizer.json": {"state", "param_groups"}, "scheduler.json": {"last_epoch", "base_lrs"}}  # in `state/`
 
 
 def problem(path: str, size: int | None = None) -> str | None:
@@ -41,9 +43,29 @@ def problem(path: str, size: int | None = None) -> str | None:
 def json_problem(path: str) -> str | None:
     with open(path, "rb") as f:
         try:
-            json.loads(f.read())
+            value = json.loads(f.read())
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError alike
             return f"is not valid JSON ({err})"
+    return keys_problem(path, value)
+
+
+def keys_problem(path: str, value) -> str | None:
+    """A JSON file a resume reads, without the keys it needs or with keys the reader refuses (a key renamed by hand
+    leaves valid JSON, found otherwise only when Trainer or the optimizer reads it): said of it, or None."""
+    name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+    if name == "trainer_state.json":
+        from transformers import TrainerState
+
+        known = {f.name for f in dataclasses.fields(TrainerState)}
+        need, unknown = {"global_step", "log_history"}, set(value) - known if isinstance(value, dict) else set()
+        if not isinstance(value, dict) or unknown or need - set(value):
+            return (f"is not a TrainerState's JSON (unknown keys {sorted(unknown)}, missing "
+                    f"{sorted(need - set(value)) if isinstance(value, dict) else sorted(need)})")
+    elif parent == "state" and name in NEEDS:
+        groups = value.get("param_groups") if isinstance(value, dict) else None
+        missing = sorted(NEEDS[name] - set(value)) if isinstance(value, dict) else sorted(NEEDS[name])
+        if missing or (name == "optimizer.json" and not all(isinstance(g, dict) and "params" in g for g in groups)):
+            return f"lacks the keys a resume reads ({missing or 'a param group without `params`'})"
     return None
 
 

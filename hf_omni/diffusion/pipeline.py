@@ -17,7 +17,16 @@ from ..files.empty_init import build_empty
 from ..files.format import format_of
 from ..formats.diffusers_models import diffusers_module, from_diffusers
 from ..modules.ema import ema_weights, slot_emas
-from .index import INDEX, SAVED_BY, component_class, is_component, is_pipeline, pipeline_class
+from .index import (
+    INDEX,
+    SAVED_BY,
+    check_components,
+    component_class,
+    is_component,
+    is_pipeline,
+    pipeline_class,
+    read_index,
+)
 from .lora_file import write_lora_file
 
 NOTE = "PIPELINE.md"
@@ -34,6 +43,7 @@ def from_pipeline(cls, pipeline, path=None, *, empty_init: bool = False, **kwarg
         if path is None or not from_diffusers(pipeline):
             raise TypeError("from_pipeline(PipelineClass, path): a diffusers pipeline class and its folder or repo id")
         folder = str(path) if os.path.isdir(str(path)) else pipeline.download(str(path), **_hub(kwargs))
+        check_components(folder, read_index(folder), given=kwargs)  # damage named before anything is built
         if empty_init:
             return _adopt_empty(cls, folder, kwargs)
         return _adopt(cls, pipeline.from_pretrained(folder, **kwargs), folder)
@@ -62,8 +72,7 @@ def _adopt(cls, pipeline, folder: str | None):
 
 
 def _adopt_empty(cls, folder: str, kwargs: dict):
-    with open(os.path.join(folder, INDEX)) as f:
-        index = {k: v for k, v in json.load(f).items() if k not in SAVED_BY}
+    index = read_index(folder)
     for name in [k for k, v in kwargs.items() if v is None and is_component(index.get(k))]:
         index[name] = [None, None]  # `safety_checker=None`: left out, as the pipeline's own loading leaves it
         del kwargs[name]
