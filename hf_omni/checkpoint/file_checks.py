@@ -65,7 +65,8 @@ def keys_problem(path: str, value) -> str | None:
         groups = value.get("param_groups") if isinstance(value, dict) else None
         missing = sorted(NEEDS[name] - set(value)) if isinstance(value, dict) else sorted(NEEDS[name])
         if missing or (name == "optimizer.json" and not all(isinstance(g, dict) and "params" in g for g in groups)):
-            return f"lacks the keys a resume reads ({missing or 'a param group without `params`'})"
+            lacking = missing or "params of a param group"
+            return f"is not an hf_omni {name} (it lacks the keys a resume reads: {lacking})"
     return None
 
 
