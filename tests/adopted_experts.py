@@ -10,6 +10,7 @@ import os
 
 import torch
 from helpers import full_state, make_args, step_losses
+from moe_runs import VOCAB, Tokens
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -21,7 +22,6 @@ from transformers import (
 
 from hf_omni import OmniModel, OmniTrainer
 
-VOCAB = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
               max_position_embeddings=32, num_experts_per_tok=2)
 FAMILIES = {
@@ -36,17 +36,6 @@ FAMILIES = {
 }
 EP = {"llm": {"parallel": "fsdp", "learning_rate": 1e-2, "parallelism": {"dp_shard_size": 2, "ep_size": 2}}}
 SINGLE = {"llm": {"parallel": "fsdp", "learning_rate": 1e-2}}
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 32):
-        self.ids = torch.randint(1, VOCAB, (n, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def adopted(family: str):
