@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from .offline.spec import OfflineEncoder, class_encoders, declared_encoders
-from .offline.window import one_call
+from .offline.window import deferred_problem, one_call
 
 
 class ModelHooks:
@@ -21,6 +21,11 @@ class ModelHooks:
         super().__init_subclass__(**kwargs)
         if callable(getattr(cls, "generate", None)):
             cls.generate = one_call(cls.generate)
+
+    def deferred_problem(self) -> str | None:
+        """A problem this rank found inside an accumulation window and keeps for the window's next agreement
+        (`offline.window.defer`): a checkpoint raises it before anything is written."""
+        return deferred_problem(self)
 
     def sync_parts(self) -> None:
         """Before its modules are prepared: what freezing and LoRA replaced, into the model whose forward runs."""

@@ -35,7 +35,7 @@ from .modeling import OmniModel
 from .modules.ownership import check_ownership
 from .modules.views import SlotViews
 from .offline.serve import serve_from_caches
-from .offline.window import agree_window
+from .offline.window import agree_window, close_windows
 from .optim.ema import attach_emas
 from .optim.gradients import clip_grad_norms, fp16_scaler
 from .optim.optimizers import ModuleOptimizers, ModuleSchedulers, build_optimizers
@@ -208,6 +208,8 @@ class OmniPlugin(SlotViews):
         self.profile.close()  # its hooks removed
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.model is not None:
+            close_windows(self.model)  # a problem kept since the last window's agreement: every rank raises it
 
     def fill_from_checkpoint(self, model: OmniModel, directory: str) -> set[str]:
         """Before `prepare`: `empty_init` modules will be filled from the checkpoint instead of their initial

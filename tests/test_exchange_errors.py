@@ -2,7 +2,8 @@
 error travels in the exchange's own all-gather, so both ranks raise the same error naming the module and the rank
 within seconds, instead of one rank raising alone and the other waiting in a collective — inputs wrong in
 forward's arguments (the exchange before forward), an entry point called unlike those arguments (its call's
-agreement), a forward one rank cannot bind; an entry point with ragged
+agreement; inside an accumulation window, where the call has no agreement, at the window's next one, the failing rank
+running the dummy meanwhile), a forward one rank cannot bind; an entry point with ragged
 outputs (no dummy from one row) given inputs on one rank only: both raise the same error naming the fix."""
 
 import os
@@ -21,6 +22,10 @@ CASES = {
                        "inputs ['pixel_values', 'mask'], unlike forward's arguments", ON_RANK_1),
     "unbound": ("ValueError: Tower.forward: got an unexpected keyword argument 'sound'", ON_RANK_1),
     "ragged": ("ValueError: module 'vision': encode returns ragged outputs", "serve the module from its offline cache"),
+    "window_not_as_planned": ("ValueError: module 'vision': encode was called on this rank with ['pixel_values'] of "
+                              "its inputs ['pixel_values', 'mask'], unlike forward's arguments",
+                              "every rank raises this at the window's next agreement [after 1 steps]"),
+    "window_then_save": ("RankFailure: saving ", "(on rank 1, inside an accumulation window) [after 1 steps]"),
 }
 
 
@@ -37,6 +42,9 @@ def test_one_rank_with_wrong_inputs_fails_every_rank_with_the_same_error(tmp_pat
     first, second = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
     assert first == second, (first, second)
     assert first.startswith(CASES[mode][0]) and first.endswith(CASES[mode][1]), first
+    if mode == "window_then_save":  # refused before anything of the checkpoint was written
+        assert "failed on rank 1: ValueError: module 'vision': encode was called on this rank with" in first, first
+        assert not (tmp_path / "checkpoint").exists()
 
 
 def run_two(mode: str, out) -> list[str]:

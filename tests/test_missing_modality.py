@@ -4,6 +4,7 @@ backward reached through the loss even when `forward` drops the rows, and the er
 process are in tests/test_mesh_multiprocess.py."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -335,15 +336,28 @@ def test_under_turns_a_batch_answer_goes_to_its_training_steps_first_forward_onl
     assert exchange["calls"] == 3
 
 
-def test_an_entry_point_called_unlike_its_window_plan_raises_on_its_rank(tower, monkeypatch):
-    from hf_omni.offline.window import agree_window
+def test_an_entry_point_called_unlike_its_window_plan_is_kept_for_the_windows_next_agreement(tower, monkeypatch):
+    """Inside the window no collective tells the other ranks: the rank keeps the error, runs the call as the plan
+    says (no rank had images: vision skipped), and raises it at the next agreement, as every rank does there
+    (tests/test_exchange_errors.py, 2 processes)."""
+    import torch.distributed as dist
+
+    from hf_omni.offline.window import agree_window, deferred_problem
 
     model, _ = two_towers(tower, monkeypatch, PlannedTowers)
     window_gather(model, monkeypatch, others_have_images=False)
     assert agree_window(model, [dict(SOUNDS)])
-    with pytest.raises(ValueError, match=r"encode was called on this rank with \['pixel_values', 'mask'\] .*on rank "
-                                         r"0; its plan was agreed for its accumulation window"):
-        model(**SOUNDS, make=True)
+    calls = []
+    model.vision.register_forward_hook(lambda module, args, out: calls.append(len(out.pooler_output)))
+    model(**SOUNDS, make=True)["loss"].backward()
+    said = (r"encode was called on this rank with \['pixel_values', 'mask'\] .*"
+            r"\(on rank 0, inside an accumulation window\)")
+    assert calls == [] and re.search(said, deferred_problem(model)), deferred_problem(model)
+    monkeypatch.setattr(dist, "all_gather_object",  # the other rank kept nothing
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj, None]))
+    with pytest.raises(ValueError, match=said + "; every rank raises this at the window's next agreement"):
+        agree_window(model, [dict(SOUNDS)])
+    assert deferred_problem(model) is None
 
 
 def test_a_window_with_a_wrong_batch_queues_nothing(tower, monkeypatch):

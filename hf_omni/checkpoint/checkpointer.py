@@ -73,6 +73,10 @@ class ModuleCheckpointer:
         every rank finished every file (with `save_async`, at the next save or `wait()`). `weights_only`
         (Trainer's `save_only_model`): module folders without `state/`, marked not resumable."""
         self.wait()
+        with agreed(f"saving {directory}", self.group):  # a problem found inside the window just stepped: no save
+            problem = self.model.deferred_problem()
+            if problem is not None:
+                raise ValueError(problem)
         with agreed(f"preparing {directory}", self.group):
             if is_main():
                 self._clear(directory)

@@ -39,10 +39,12 @@ class Planned:
 
     shared: exchange.Shared
     own: dict
-    windowed: bool = False  # agreed with its accumulation window (`window.py`): no agreement at the call
+    windowed: bool = False  # agreed with its accumulation window or generate call (`window.py`): no agreement at the
+    # call; a problem there is kept for the window's next agreement (`window.defer`) when `in_window`
+    in_window: bool = False
 
-    def agreed(self) -> "Planned":
-        return dataclasses.replace(self, windowed=True)
+    def agreed(self, in_window: bool = False) -> "Planned":
+        return dataclasses.replace(self, windowed=True, in_window=in_window)
 
 
 def runs_collectives(model) -> bool:

@@ -37,15 +37,14 @@ import weakref
 
 import torch
 
-from ..compat import queue_backward_callback
 from ..core.dist import rank
 from . import exchange, window
+from .dummy import PENDING, call_on_dummy, join_to_loss, tensor_output
 from .exchange import given, partly_given, wrong_value
 from .forward_plan import PLAN, runs_collectives, share_forward
 from .ragged import empty_form, items_of
 from .spec import class_encoders
 
-PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 0-row outputs its forward must keep
 CACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {offline module: (shape, dtype) | None}
 WINDOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: a sample it ran on, this window}
 
@@ -65,7 +64,8 @@ def call_entry_point(model, spec, fn, args: tuple, kwargs: dict):
         if error is not None:
             raise ValueError(error)
         return fn(*bound.args, **bound.kwargs) if present else cached_rows(model, spec, model.prepared)
-    plan, shared, own = share_call(model, spec, inputs, present, error, failure)
+    plan, shared, own, deferred = share_call(model, spec, inputs, present, error, failure)
+    present = [] if deferred else present  # a problem kept for the window's next agreement: the dummy runs here
     if spec.ragged and not shared.everyone and shared.donor is not None:  # every rank knows the same: all raise
         raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs (items of different "
                          "lengths), so no dummy is built from a row of its inputs, and this batch has them on some "
@@ -96,38 +96,28 @@ def call_alone(model, spec, fn, args: tuple, kwargs: dict):
 
 def share_call(model, spec, inputs: dict, present: list, error: str | None, failure: str | None):
     """(the forward's plan or None, what every rank has of the call's inputs, this rank's own first rows when its
-    forward dropped its inputs): shared now (a call outside forward, or inputs forward made itself) or agreed with
-    the plan shared before forward, every rank raising alike where the call is not as planned."""
-    plan, own = PLAN.get(model, {}).get(spec.method), None
+    forward dropped its inputs, whether its problem was kept): shared now (a call outside forward, or inputs forward
+    made itself) or agreed with the plan shared before forward, every rank raising alike where the call is not as
+    planned: at once (one integer per rank), or, inside an accumulation window (no collective at the call), at the
+    window's next agreement, this rank running the dummy meanwhile (`window.defer`)."""
+    plan, own, deferred = PLAN.get(model, {}).get(spec.method), None, False
     if plan is None:
         shared = exchange.share_inputs({spec.method: inputs}, error or wrong_value(spec.module, spec.method, inputs))
-        return plan, shared[spec.method], own
-    shared = plan.shared  # this call agrees that it goes as planned (one integer per rank), or all raise
+        return plan, shared[spec.method], own, deferred
+    shared = plan.shared
     wrong = error is not None or wrong_value(spec.module, spec.method, inputs) or present and shared.donor is None
     problem = failure or (exchange.not_as_planned(spec, present) if wrong else None)
     if not plan.windowed:
         exchange.agree(problem)
-    elif problem is not None:  # agreed with the window: no collective at the call (window.py)
+    elif problem is not None and failure is None and plan.in_window:
+        window.defer(model, f"{problem} (on rank {rank()}, inside an accumulation window)")
+        deferred = True
+    elif problem is not None:  # a generate call (its outputs would be wrong), or a call this rank cannot bind
         raise ValueError(f"{problem} (on rank {rank()}; its plan was agreed for its accumulation window or "
                          "generate call, so no collective tells the other ranks)")
-    if shared.mine and not present:  # forward dropped its inputs here: the dummy runs on them
+    if shared.mine and (not present or deferred):  # forward dropped its inputs here: the dummy runs on them
         own = {c: plan.own[c][:1] for c in spec.inputs}
-    return plan, shared, own
-
-
-def call_on_dummy(model, spec, fn, bound, sample: dict | None):
-    """This rank has no input: the method on a dummy of two rows of `sample` (its first 0 rows kept), or None
-    where no rank has an input (and no window to close): skipped everywhere."""
-    if sample is None:
-        return None
-    if spec.ragged:  # a window that ran it ends with no input anywhere, and no dummy: every rank raises alike
-        raise ValueError(f"module {spec.module!r}: {spec.method} returns ragged outputs and ran earlier in this "
-                         "accumulation window, but no rank has its inputs at the window's last micro-step: no dummy "
-                         "can join the gradient reduction. Give each window's last micro-batch its inputs, or serve "
-                         "the module from its offline cache")
-    for column, row in sample.items():
-        bound.arguments[column] = torch.cat([row, row]).to(model.prepared.device)
-    return dummy_rows(model, spec, fn, bound)
+    return plan, shared, own, deferred
 
 
 @functools.cache
@@ -151,37 +141,6 @@ def same_form(inputs: dict, donors: dict) -> bool:
     """Each input has the shared shape after dim 0 and dtype (what the ranks without it allocate)."""
     return all(donors[c] is not None and tuple(v.shape[1:]) == donors[c][0][1:] and v.dtype == donors[c][1]
                for c, v in inputs.items())
-
-
-def dummy_rows(model, spec, fn, bound):
-    """The method on the dummy; its first 0 rows, joined to the forward's loss. The buffers the dummy changed are
-    put back now, and again at the end of backward (to what they were when backward reached the dummy)."""
-    touched = [(b, b.detach().clone()) for b in model.slots[spec.module].module.buffers() if not b.is_meta]
-    out = tensor_output(spec, fn(*bound.args, **bound.kwargs))
-    restore(touched)  # all of its module's buffers, unread: no comparison (a device sync per buffer)
-    rows = out[:0]
-    if rows.requires_grad and touched:  # activation checkpointing re-runs the dummy's forward in backward
-
-        def at_backward(grad):
-            again = [(b, b.detach().clone()) for b, _ in touched]
-            queue_backward_callback(lambda: restore(again))
-
-        rows.register_hook(at_backward)
-    PENDING.setdefault(model, []).append(rows)
-    return rows
-
-
-def restore(saved: list) -> None:
-    """`.data`: no version bump (autograd saved BatchNorm's statistics; training-mode backward uses the batch's)."""
-    for buffer, value in saved:
-        buffer.data.copy_(value)
-
-
-def tensor_output(spec, out):
-    if not isinstance(out, torch.Tensor) or out.ndim == 0:
-        raise ValueError(f"module {spec.module!r}: {spec.method} must return a tensor with one row per input row "
-                         f"(a rank without input gets its first 0 rows), got {type(out).__name__}")
-    return out
 
 
 def in_window(model, spec, sample):
@@ -221,24 +180,9 @@ def before_forward(model, args: tuple, kwargs: dict) -> None:
 
 
 def keep_in_graph(model, args, output):
-    """Forward hook of `OmniModel`: this forward's 0-row outputs join (adding 0) its loss, or without one its first
-    output that needs a gradient (logits a `compute_loss_func` reads); a dict, ModelOutput, tuple or tensor."""
+    """Forward hook of `OmniModel`: the forward's state cleared, and its 0-row outputs joined to its loss
+    (`dummy.join_to_loss`)."""
     CACHED.pop(model, None)
     PLAN.pop(model, None)
     pending = PENDING.pop(model, None)
-    if not pending:
-        return None
-    zero = sum(rows.sum() for rows in pending)
-    if isinstance(output, torch.Tensor):  # a forward returning its loss
-        return output + zero.to(output.dtype) if output.requires_grad and output.is_floating_point() else None
-    items = list(output.items()) if isinstance(output, dict) else list(enumerate(output)) \
-        if isinstance(output, (tuple, list)) else []
-    needs = [k for k, v in items if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
-    if not needs:
-        return None
-    key = "loss" if "loss" in needs else needs[0]
-    if isinstance(output, dict):
-        output[key] = output[key] + zero.to(output[key].dtype)
-        return output
-    values = [v + zero.to(v.dtype) if k == key else v for k, v in items]
-    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # a namedtuple too
+    return join_to_loss(output, pending) if pending else None

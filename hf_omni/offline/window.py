@@ -15,10 +15,12 @@ that batch. Otherwise it runs its own exchange, as a forward outside a window do
 of the model with other inputs); under turns, the batch's queued answer is then dropped, never given to a later
 forward. The answer a forward takes is every rank's for the same batch (all ranks go through the window in the same
 order), so the plan is the one the per-forward exchange would have made. Where an entry point is then called unlike
-the plan (`exchange.not_as_planned`), that rank raises at once: no collective tells the others, which learn it from
-the process group (the failed rank's sockets close under gloo; NCCL waits for `ddp_timeout`). A window in which any
-rank found a batch wrong (an input given in part, a forward it cannot bind) queues nothing: each forward's own
-exchange then raises the error on every rank, as without a window.
+the plan (`exchange.not_as_planned`), no collective at the call could tell the other ranks: that rank keeps the
+problem (`defer`), runs the call's dummy so that every collective of the step is joined, and every rank raises it
+at the window's next agreement (a flag in its all-gather), before a checkpoint of the step is written
+(`ModuleCheckpointer.save`), or at the run's end (`close_windows`, from `OmniPlugin.close`). A call that rank cannot
+bind raises at once. A window in which any rank found a batch wrong (an input given in part, a forward it cannot
+bind) queues nothing: each forward's own exchange then raises the error on every rank, as without a window.
 
 `generate` of an OmniModel subclass (`GenerationMixin`) calls `forward` once per token; its forwards exchange twice
 per call (`one_call`): at the prefill and at the first decoding step (where transformers drops `pixel_values` and
@@ -42,6 +44,7 @@ from .forward_plan import forward_groups, read_plan, runs_collectives
 from .spec import class_encoders
 
 QUEUE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Window
+DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> this rank's first problem in a window
 CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Call, while its `generate` runs
 
 
@@ -78,10 +81,11 @@ def agree_window(model, batches: list, size: int | None = None, turns: bool = Fa
         problem = problem or found
     rows = [exchange.own_rows(groups) for groups in entries]
     width, height = len(rows[0][0]), len(rows[0]) - 1  # sent without each batch's error row: the window's is first
-    table = [[int(problem is not None), len(batches)] + [0] * (width - 2)]
+    table = [[int(problem is not None), len(batches), int(model in DEFERRED)] + [0] * (width - 3)]
     for k in range(size):
         table += rows[k][:height] if k < len(rows) else [[0] * width for _ in range(height)]
     everyone = all_gather_host(table, checkpoint_group())
+    raise_deferred(model, [ranks[0][2] for ranks in everyone])
     if any(ranks[0][0] or ranks[0][1] != len(batches) for ranks in everyone):
         return False  # every rank alike: each forward exchanges on its own (and raises the error there)
     answers = []
@@ -90,6 +94,37 @@ def agree_window(model, batches: list, size: int | None = None, turns: bool = Fa
         answers.append((rows[k], exchange.read_rows(groups, [ranks[at:at + height] for ranks in everyone])))
     QUEUE[model] = Window(answers, turns)
     return True
+
+
+def defer(model, problem: str) -> None:
+    """A call unlike its window's plan, found on this rank alone: kept (the first one) until the window's next
+    agreement or the run's end (`close_windows`), where every rank raises it; the rank runs the call's dummy
+    meanwhile, so every collective of the step is joined."""
+    DEFERRED.setdefault(model, problem)
+
+
+def deferred_problem(model) -> str | None:
+    return DEFERRED.get(model)
+
+
+def raise_deferred(model, flags: list[int]) -> None:
+    """Every rank alike, after an agreement that carried each rank's flag: when a rank kept a problem, its text goes
+    to every rank (one all-gather of objects on the side group, on this path only) and all raise it."""
+    if not any(flags):
+        return
+    import torch.distributed as dist
+
+    problems = [None] * len(flags)
+    dist.all_gather_object(problems, DEFERRED.pop(model, None), group=checkpoint_group())
+    first = next(p for p in problems if p)
+    raise ValueError(f"{first}; every rank raises this at the window's next agreement")
+
+
+def close_windows(model) -> None:
+    """The run's end: a problem kept since the last window's agreement is raised by every rank (one all-gather)."""
+    if runs_collectives(model):
+        everyone = all_gather_host([[int(model in DEFERRED)]], checkpoint_group())
+        raise_deferred(model, [ranks[0][0] for ranks in everyone])
 
 
 def begin_turn(model) -> None:
@@ -116,7 +151,7 @@ def take(model, args: tuple, kwargs: dict, offline: list, online: list) -> tuple
     if not window.turns:
         window.answers.pop(0)
     cached, plans = read_plan(answer[1], groups, offline, planned)
-    return cached, {method: plan.agreed() for method, plan in plans.items()}
+    return cached, {method: plan.agreed(in_window=True) for method, plan in plans.items()}
 
 
 @dataclass

@@ -3,7 +3,8 @@ MASTER_ADDR, no launcher): rank 1 passes pixels without their mask (MODE `partia
 `not_a_tensor`), or no pixels to an entry point with ragged outputs (MODE `ragged`: no dummy can be built; rank 0
 has pixels), or pixels on every rank to it (MODE `ragged_everywhere`: runs); rank 1's forward passes the mask on as None
 unlike its argument (MODE `not_as_planned`), or rank 1 calls the model with an argument its forward does not take
-(MODE `unbound`). Each rank writes what it raised to
+(MODE `unbound`), or passes it on as None inside an accumulation window agreed up front (MODE
+`window_not_as_planned`: both raise at the next window's agreement). Each rank writes what it raised to
 OUT_DIR/rank<r>.txt and exits 1. MODE `two_towers`: two replicated towers whose entry points take `forward`'s
 arguments, rank 1 without sound at the second of 3 steps; each rank writes how many all-gathers of host metadata
 each forward made and a digest of its towers' gradients (DDP-reduced: equal on both ranks), then, on its own line,
@@ -95,6 +96,34 @@ def two_towers(rank: int, tower) -> str:
             f"derived {wrapped} then {model.vision.derived.tolist()}")
 
 
+def window_run(rank: int, plugin, vision, out_dir: str, save: bool = False) -> None:
+    """Two windows of two micro-steps agreed up front (`plugin.agree_window`); rank 1's forward passes its mask on as
+    None in the first window, unlike what the window agreed: rank 1 keeps the error and runs the dummy, the step
+    completes on both ranks, and both raise the same error at the second window's agreement (`save`: at a
+    checkpoint of the first step instead, before anything is written)."""
+    plugin.output_dir = os.path.join(out_dir, "run")
+    model, optimizer, _ = plugin.prepare(Accelerator(cpu=True), DeviatingTower.from_modules({"vision": vision}),
+                                         num_training_steps=2)
+    batch = {"pixel_values": torch.rand(2, 1, 4, 4), "mask": torch.ones(2, 1, 1, 1, dtype=torch.bool)}
+    outcome, steps = "no error", 0
+    try:
+        for _ in range(2):
+            plugin.agree_window([batch, batch])
+            with plugin.no_sync():
+                model(**batch)["loss"].backward()
+            model(**batch)["loss"].backward()
+            optimizer.step(), optimizer.zero_grad()
+            steps += 1
+            if save:
+                plugin.save_state(os.path.join(out_dir, "checkpoint"))
+        plugin.close()
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        outcome = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{outcome} [after {steps} steps]")
+    end_distributed(0 if outcome == "no error" else 1)
+
+
 def main(mode: str, out_dir: str):
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
@@ -105,6 +134,8 @@ def main(mode: str, out_dir: str):
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(two_towers(rank, vision))
         end_distributed(0)
+    if mode.startswith("window_"):
+        window_run(rank, plugin, vision, out_dir, save=mode == "window_then_save")
     cls = RaggedTower if mode.startswith("ragged") else DeviatingTower if mode == "not_as_planned" else Tower
     model, _, _ = plugin.prepare(Accelerator(cpu=True), cls.from_modules({"vision": vision}), num_training_steps=2)
     pixels, mask = torch.rand(2, 1, 4, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)

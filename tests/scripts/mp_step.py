@@ -33,7 +33,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import GenerationMixin, TrainerCallback
 
-import hf_omni.offline.missing_modality as missing_modality
+import hf_omni.offline.dummy as missing_modality
 from hf_omni import OmniPlugin, OmniTrainer
 from hf_omni.core.dist import checkpoint_group
 from hf_omni.testing.collectives import ReceivedBytes
