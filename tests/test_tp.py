@@ -78,6 +78,28 @@ def test_tensor_parallel_llm_trains_as_one_process(launched, tmp_path, name):
     assert_state_close(exported, {k[4:]: v.to(dtype) for k, v in got["state"].items() if k.startswith("llm.")}, atol=0)
     assert_state_close(exported, {k[4:]: v.to(dtype) for k, v in full_state(model).items() if k.startswith("llm.")},
                        atol=atol)
+    if name in tp_scenarios.LORAS:  # merged row by row on the ranks holding the rows, as PEFT merges one process's
+        check_merged(launched["out"] / name / "merged" / "llm", model.llm, atol)
+
+
+def check_merged(folder, llm, atol: float) -> None:
+    """The merged export holds plain weights equal to PEFT's own merge of the one-process run's adapters."""
+    import copy
+
+    from peft.tuners.lora import LoraLayer
+
+    from hf_omni.lora.adapters import base_state_dict
+
+    merged = copy.deepcopy(llm)
+    layers = [m for m in merged.modules() if isinstance(m, LoraLayer)]
+    assert len(layers) == 5 * llm.config.num_hidden_layers + 1  # q, v, o, up, down in each layer, and the LM head
+    for layer in layers:
+        layer.merge()
+    expected = base_state_dict(dict(merged.state_dict()))
+    loaded = full_state(type(llm).from_pretrained(folder))
+    assert not any("lora" in k for k in loaded)
+    assert_state_close(loaded, {k: v for k, v in expected.items() if k in loaded}, atol=atol)
+    assert expected.keys() - loaded.keys() <= {"lm_head.weight"} - loaded.keys()
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.ELASTIC))
@@ -101,14 +123,24 @@ def check_placements(name: str, placements: dict) -> None:
     if name in tp_scenarios.MOE:
         replicas = "(Replicate(), " if name.startswith("hsdp") else "("  # HSDP: (dp_replicate, efsdp, ep)
         # 3 experts a rank over 2 efsdp ranks would pad: FSDP2 shards them on dim 1 inside the expert range
-        experts = "(Shard(dim=1), Shard(dim=0))" if name == "dp4_ep2" else replicas + strided[1:]
+        on_columns = name in ("dp4_ep2", "dp4_ep2_lora")
+        experts = "(Shard(dim=1), Shard(dim=0))" if on_columns else replicas + strided[1:]
         assert placements["model.layers.0.mlp.experts.gate_up_proj"] == experts
         assert placements["model.layers.0.mlp.experts.down_proj"] == experts
-        router = "(Replicate(), Shard(dim=0))" if replicas[1:] else "(Shard(dim=1),)" if name == "dp4_ep2" else \
+        router = "(Replicate(), Shard(dim=0))" if replicas[1:] else "(Shard(dim=1),)" if on_columns else \
             "(Shard(dim=0),)"  # the router: dense (its 6 rows over 4 ranks: on its columns)
         assert placements["model.layers.0.mlp.gate.weight"] == router
     elif name.startswith("dp2_tp2_to_"):
         assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
+    elif name in tp_scenarios.LORAS:  # each adapter split like its base layer's style, the other a replica over tp
+        layer = "model.layers.0.self_attn."
+        assert placements[layer + "q_proj.base_layer.weight"] == strided
+        assert placements[layer + "q_proj.lora_B.default.weight"] == strided  # its output rows, as q's
+        assert placements[layer + "q_proj.lora_A.default.weight"] == "(Shard(dim=0),)"  # FSDP2 only
+        assert placements[layer + "o_proj.base_layer.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert placements[layer + "o_proj.lora_A.default.weight"] == "(Shard(dim=0), Shard(dim=1))"  # its inputs
+        assert placements[layer + "o_proj.lora_B.default.weight"] == "(Shard(dim=0),)"
+        assert placements["lm_head.lora_B.default.weight"] == strided
     else:
         assert placements["model.layers.0.self_attn.q_proj.weight"] == strided
         assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
@@ -156,12 +188,35 @@ def test_mesh_appends_the_tp_dim():
 @pytest.mark.parametrize("modules, module", [
     ({"llm": {"parallel": "ddp", "parallelism": TP2}}, "llm"),
     ({"llm": {"parallel": "none", "parallelism": TP2}}, "llm"),
-    ({"llm": {"parallel": "fsdp", "parallelism": TP2, "lora": {"r": 4, "target_modules": ["q_proj"]}}}, "llm"),
 ])
 def test_refused_arguments_name_module_and_key(tmp_path, modules, module):
     model = tiny_model()
     with pytest.raises(OmniArgumentError, match=rf"{module}.*parallelism\.tp_size"):
         OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
+
+
+@pytest.mark.parametrize("lora, match", [
+    ({"lora_dropout": 0.1}, r"llm.*lora\.lora_dropout.*tensor parallelism \(tp_size\).*replicas would drift apart"),
+    ({"use_dora": True}, r"llm.*lora\.use_dora.*DoRA's weight norm"),
+])
+def test_lora_settings_tensor_parallelism_cannot_serve_are_refused(tmp_path, lora, match):
+    """Refused when the module's arguments are resolved, before anything is wrapped."""
+    model = tiny_model()
+    args = make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": TP2,
+                                                "lora": {"r": 4, "target_modules": ["q_proj"], **lora}}})
+    with pytest.raises(OmniArgumentError, match=match):
+        OmniTrainer(model=model, args=args, train_dataset=tiny_data(model))
+
+
+def test_lora_on_a_split_embedding_is_refused_by_name():
+    """LoRA on the embeddings (split by rows) is no column- or row-wise Linear: refused naming the layer."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    llm = tp_scenarios.tp_model().llm
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]), llm)
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*model\.embed_tokens is split "
+                                                r"`embedding_rowwise`.*is Embedding"):
+        layouts_for("llm", TP2)[0].check(llm)
 
 
 EP2 = {"dp_shard_size": 2, "ep_size": 2}
@@ -173,8 +228,6 @@ EP2 = {"dp_shard_size": 2, "ep_size": 2}
      r"llm.*parallelism\.ep_size.*expert and tensor parallelism in one module"),
     ({"llm": {"parallel": "fsdp", "parallelism": {"dp_shard_size": 3, "ep_size": 2}}},
      r"llm.*parallelism\.ep_size.*must divide dp_shard_size x tp_size = 3"),
-    ({"llm": {"parallel": "fsdp", "parallelism": EP2, "lora": {"r": 4, "target_modules": ["q_proj"]}}},
-     r"llm.*parallelism\.ep_size.*LoRA under expert parallelism"),
 ])
 def test_refused_expert_parallel_arguments(tmp_path, modules, match):
     with pytest.raises(OmniArgumentError, match=match):
@@ -182,6 +235,19 @@ def test_refused_expert_parallel_arguments(tmp_path, modules, match):
         OmniTrainer(model=model, args=make_args(tmp_path, modules=modules), train_dataset=tiny_data(model))
     with pytest.raises(OmniArgumentError, match=r"parallelism\.ep_size.*per module"):
         make_args(tmp_path, parallel="fsdp", parallelism=EP2)
+
+
+def test_lora_on_fused_experts_is_refused_by_name():
+    """PEFT's `target_parameters` on the fused experts wraps the experts module (a `ParamWrapper`, one adapter block
+    per expert): refused under ep_size, naming the module and `lora`; adapters on the dense layers compose."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    llm = tp_scenarios.tp_model(moe=True).llm
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+                            llm)
+    with pytest.raises(OmniArgumentError, match=r"llm.*lora.*model\.layers\.0\.mlp\.experts is split "
+                                                r"`ep_dispatch_experts`.*ParamWrapper"):
+        layouts_for("llm", EP2)[0].check(llm)
 
 
 def test_tensor_layout_refuses_styles_it_does_not_serve():

@@ -87,6 +87,18 @@ LABELS = {"dp2_tp2_labels"}
 TIED = {"tp2_tied"}  # scenarios whose Llama ties its embeddings and LM head (split once, saved once, resumed tied;
 # saved by the writer thread, `save`)
 SCENARIOS["tp2_tied"] = (2, llm(TP2), dict(per_device_train_batch_size=4))
+# LoRA on the split LLM: adapters on column-wise (q, v, up, the LM head) and row-wise (o, down) layers, each split like
+# its base layer from one seeded draw; exported unmerged and merged (`merge`)
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"],
+        "init_lora_weights": False}  # lora_B drawn too: every adapter moves the loss from the first step
+SCENARIOS["dp2_tp2_lora"] = (4, llm(DP2_TP2, max_grad_norm=0.5, lora=LORA, learning_rate=1e-2),
+                             dict(per_device_train_batch_size=2))
+# LoRA on an expert-parallel module's dense layers (attention, the shared expert), its fused experts frozen and spread
+DENSE = {**LORA, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+SCENARIOS["dp4_ep2_lora"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, learning_rate=3e-3, lora=DENSE),
+                             dict(per_device_train_batch_size=2))
+MOE |= {"dp4_ep2_lora"}
+LORAS = {"dp2_tp2_lora"}
 ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments); the 4-rank
     # launch runs first: its checkpoints are resumed at 4 ranks without tensor parallelism and at 2 ranks
     "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),

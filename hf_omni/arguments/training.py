@@ -191,7 +191,7 @@ class OmniTrainingArguments(TrainingArguments):
             margs = ModuleArguments(name=name, trainable=trainable, lora_from_module=overlay.get("lora") is not None,
                                     parallel_from_module="parallel" in overlay, **values)
             if margs.lora is not None:
-                refuse_lora(name, margs.parallelism)
+                refuse_lora(name, margs.parallelism, margs.lora)
             for cls in STRATEGIES.values():  # settings merged from several levels must agree (min_num_params + classes)
                 margs.strategy_settings(cls)
             resolved[name] = margs

@@ -195,7 +195,7 @@ def role_table() -> list[str]:
         rule = ("multiplies the world size" if cls.dim else f"divides {' x '.join(cls.divides)}") + \
             f"; `parallel: {' | '.join(cls.strategies)}`"
         rows.append(f"| `{cls.size_key}` | {cls.description} | {where} | {rule} | "
-                    f"{', '.join(f'`{k}`' for k in cls.excludes) or '-'} | {'no: ' + cls.lora if cls.lora else 'yes'}"
+                    f"{', '.join(f'`{k}`' for k in cls.excludes) or '-'} | {'no: ' + cls.lora if cls.lora else cls.lora_terms or 'yes'}"
                     f" | {cls.boundary or '-'} |")
     return rows
 

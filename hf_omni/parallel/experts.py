@@ -14,7 +14,8 @@ ranks by the class's own transformers plan (`config.base_model_ep_plan`), tokens
   parameters' average): the mean over every rank's loss, as a data-parallel module.
 - FSDP2 shards each rank's experts over efsdp on dim 0 unless that pads them by more than 5% (fewer local experts
   than efsdp ranks), then on a dim that divides (`placement.shard_dim` of the local shape).
-- Not with `tp_size` in the same module, and not with LoRA (refused by name at parse time).
+- Not with `tp_size` in the same module. LoRA on the dense layers (attention, router, shared experts) composes as
+  under FSDP2 alone; adapters on the fused experts (PEFT's `target_parameters`) are refused by name.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class ExpertLayout(Layout):
     divides_why = ("set dp_shard_size: with ep_size the entry names every size) (transformers' DistributedConfig "
                    "rule: experts are spread inside the shard group, never over more ranks")
     excludes = ("tp_size",)
-    lora = "PEFT's adapters on fused experts would need splitting by expert ranges like the experts"
+    lora_terms = ("on its dense layers (attention, router, shared experts); on the fused experts (PEFT's "
+                  "`target_parameters`) refused")
 
     def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
         """(the model the plan is applied to, its plan): the module itself, or an adopted model's module's released
@@ -63,11 +65,26 @@ class ExpertLayout(Layout):
             raise OmniArgumentError(self.module_name, KEY, f"{type(model).__name__} has no expert-parallel plan "
                                     "(transformers' `config.base_model_ep_plan`): use dp_shard_size / "
                                     "dp_replicate_size only")
+        self.check_adapters(model, plan)
         params = dict(model.named_parameters())
         for name, style in plan.items():
             if style == FUSED and name in params and params[name].shape[0] % ep:
                 raise OmniArgumentError(self.module_name, KEY, f"{name} holds {params[name].shape[0]} experts, "
                                         f"which {ep} ranks cannot hold evenly: use an ep_size that divides it")
+
+    def check_adapters(self, model: nn.Module, plan: dict) -> None:
+        """LoRA composes with the dense layers; PEFT's adapters on the fused experts (`target_parameters` wraps the
+        experts module in a `ParamWrapper`, its adapters one block per expert) would need splitting by expert
+        ranges like the experts: refused, naming the module."""
+        modules = dict(model.named_modules())
+        for name, style in plan.items():
+            owner = modules.get(name) or modules.get(name.rpartition(".")[0])
+            if owner is not None and type(owner).__module__.startswith("peft."):
+                raise OmniArgumentError(self.module_name, "lora", f"{name} is split `{style}` by expert parallelism "
+                                        f"and wrapped by PEFT ({type(owner).__name__}): adapters on fused experts "
+                                        "under ep_size are not supported (they would need splitting by expert ranges "
+                                        "like the experts); leave the experts out of lora.target_parameters / "
+                                        "target_modules")
 
     def mesh(self):
         """`(dp_replicate?, efsdp, ep, batch)` over every rank; `batch`: the ranks holding one batch (this one)."""

@@ -46,6 +46,7 @@ class Layout:
     excludes: tuple[str, ...] = ()  # size keys it cannot share a module with
     strategies: tuple[str, ...] = ("fsdp",)  # the `parallel:` values it composes under
     lora: str | None = None  # why LoRA is refused under it (None: LoRA composes with it)
+    lora_terms: str | None = None  # the terms LoRA composes on under it (for the docs' table)
     boundary: str | None = None  # what moves between the split module and the rest of the model (None: nothing)
 
     def __init__(self, module_name: str, sizes: dict, meshes=None):
@@ -70,6 +71,11 @@ class Layout:
             under = lambda key, tops: any(key == top or key.startswith(top + ".") for top in tops)  # noqa: E731
             plan = {k: v for k, v in plan.items() if under(k, paths) and not under(k, carved)}
         return model, plan
+
+    @classmethod
+    def lora_problem(cls, lora: dict) -> tuple[str, str] | None:
+        """(the `lora` key, why) for a LoRA config it cannot serve although LoRA composes with it, else None."""
+        return None
 
     def check(self, module: nn.Module) -> None:
         """Refuse, naming the module and `parallelism.<size_key>`, what it cannot split (before anything is)."""
@@ -132,9 +138,13 @@ def refuse_strategy(module: str, entry: dict | None, parallel: str) -> None:
                                     f"{cls.strategies[0]}`; this module is `parallel: {parallel}`")
 
 
-def refuse_lora(module: str, entry: dict | None) -> None:
-    """LoRA on a module, under the layouts that declare why they refuse it."""
+def refuse_lora(module: str, entry: dict | None, lora: dict | None = None) -> None:
+    """LoRA on a module, under the layouts that declare why they refuse it or the `lora` settings they cannot
+    serve."""
     for cls in asked(entry):
         if cls.lora:
             raise OmniArgumentError(module, f"parallelism.{cls.size_key}", f"LoRA under {cls.description} is not "
                                     f"supported ({cls.lora}): drop `lora` or `{cls.size_key}` for this module")
+        problem = cls.lora_problem(lora or {})
+        if problem is not None:
+            raise OmniArgumentError(module, problem[0], f"under {cls.description} ({cls.size_key}): {problem[1]}")

@@ -8,6 +8,7 @@ then FSDP2 over its data-parallel dims (`fsdp.py`).
   as a module, so the second holder is untied before and tied again after; both must be split alike (else refused).
 - The module's boundary with the data-parallel rest of the model: `boundary.py` (its forward and input embeddings);
   the other methods a composed forward may call (`generate`, ...) are refused by name when called.
+- LoRA: PEFT's wrapped layers take the plan entry's style on their base layer and one adapter (`tensor_lora.py`).
 - An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the released model's plan, its entries
   under the module's paths, applied to the released model; each path has the boundary (the released forward calls
   the embeddings, the language model and the head one after another, each on its own rows).
@@ -23,6 +24,7 @@ from ..modules.embeddings import embeddings_of
 from ..modules.units import run_roots
 from .boundary import Boundary, refuse_methods
 from .layout import Layout, register_layout
+from .tensor_lora import LORA_TERMS, adapted_plan, lora_problem, same_adapters
 
 STYLES = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}  # transformers' styles, as tested
 
@@ -36,15 +38,21 @@ class TensorLayout(Layout):
     name = "tp"
     description = "tensor parallelism"
     dim = "model"
-    lora = "PEFT 0.21 fails on row-wise split layers; its column-wise adapters need one seeded init"
+    lora_terms = LORA_TERMS
     boundary = ("rows: the group's rows gathered at the module's inputs, each rank's own rows kept of its outputs "
                 "(backward: the reverse)")
 
+    @classmethod
+    def lora_problem(cls, lora: dict) -> tuple[str, str] | None:
+        return lora_problem(lora)
+
     def split(self, module: nn.Module) -> tuple[nn.Module, dict]:
         """(the model the plan is applied to, its plan): the module itself, or for an adopted model's module the
-        released model with the entries under the module's paths (its LLM's layers, its `lm_head`)."""
-        return self.scoped(module, lambda model: tensor_parallel_plan(
+        released model with the entries under the module's paths (its LLM's layers, its `lm_head`); layers PEFT
+        wrapped: the entries moved onto their base layers and split adapters (`tensor_lora`)."""
+        model, plan = self.scoped(module, lambda model: tensor_parallel_plan(
             model, self.size(), self.size("dp_shard_size"), self.size("dp_replicate_size")))
+        return model, adapted_plan(model, plan, self.module_name, KEY)
 
     def plan(self, module: nn.Module) -> dict:
         return self.split(module)[1]
@@ -82,6 +90,7 @@ class TensorLayout(Layout):
 
     def apply(self, module: nn.Module, mesh) -> None:
         model, plan = self.split(module)
+        same_adapters(model)  # one process's LoRA init on every rank, before each keeps its slice
         ties = untie(model, plan)
         apply_tensor_plan(model, mesh[self.name], plan)
         for holder, attr, first, name in ties:

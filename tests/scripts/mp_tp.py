@@ -34,6 +34,9 @@ def main(out_dir: str):
         trainer.train()
         placements = {key: str(p.placements) for key, p in model.llm.named_parameters()}
         trainer.save_model(os.path.join(out_dir, name, "export"))  # every rank its share of the llm's folder
+        if name in tp_scenarios.LORAS:  # LoRA merged row by row on the ranks holding the rows
+            model.save_pretrained(os.path.join(out_dir, name, "merged"), is_main_process=dist.get_rank() == 0,
+                                  merge_lora=True)
         state = helpers.full_state(model)
         resumed = tp_scenarios.model(name, seed=7)  # every weight from the checkpoint
         again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
