@@ -1,77 +1,62 @@
-"""HSDP with tensor or expert parallelism needs 8 ranks (dp_replicate 2 x dp_shard 2 x tp 2; dp_replicate 2 x
-dp_shard 4 x ep 2), more than CI launches: run by hand, about 2 minutes on 2 cores.
+"""Run under `accelerate launch --multi_gpu --num_processes 8` (gloo, use_cpu): HSDP with tensor or expert
+parallelism, which needs 8 ranks (tests/test_layouts_8.py). Usage: mp_layouts_8.py OUT_DIR.
 
-    python tests/scripts/mp_layouts_8.py          # one 8-rank launch for both, then one process each; prints diffs
-
-Each layout trains the captioner (its Llama split by tp, or a Qwen2-MoE LLM with its experts spread) for 3 steps on
-16 rows a step (2 per rank), saving a checkpoint at step 2; one process runs the same global batch. Prints the
-largest loss and weight differences and the llm's placements, and exits non-zero above 1e-5.
+Each of `LAYOUTS` trains the captioner (its Llama split by tp, or a Qwen2-MoE LLM with its experts spread) for 3 steps
+on 16 rows a step (2 per rank, each rank its own), saving a checkpoint at step 2, then a model built from another seed
+resumes from that checkpoint at the same layout. Rank 0 writes OUT_DIR/<layout>.pt: step losses, final full weights,
+the llm's placements, the resumed run's losses and final weights.
 """
 
 import os
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import helpers
+import torch
+import torch.distributed as dist
+import tp_scenarios
 
-LAYOUTS = {"hsdp_tp": {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2},
-           "hsdp_ep": {"dp_replicate_size": 2, "dp_shard_size": 4, "ep_size": 2}}
+from hf_omni import OmniTrainer
+from launching import end_distributed
+
+HSDP_TP = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
+LAYOUTS = {  # name: (the llm's entry, whether its LLM is the Qwen2-MoE)
+    "hsdp_tp": (tp_scenarios.llm(HSDP_TP, max_grad_norm=0.5), False),
+    "hsdp_tp_lora": (tp_scenarios.llm(HSDP_TP, lora=tp_scenarios.LORA, learning_rate=3e-3), False),
+    "hsdp_ep": (tp_scenarios.llm({"dp_replicate_size": 2, "dp_shard_size": 4, "ep_size": 2}, max_grad_norm=0.5), True),
+}
 
 
-def run(out_dir: str, name: str, world: int) -> dict:
-    import helpers
-    import torch.distributed as dist
-    import tp_scenarios
+def model(name: str, seed: int = 0):
+    return tp_scenarios.tp_model(seed, moe=LAYOUTS[name][1])
 
-    from hf_omni import OmniTrainer
 
-    model = tp_scenarios.tp_model(moe=name.endswith("ep"))
-    modules = tp_scenarios.llm(LAYOUTS[name] if world > 1 else None, max_grad_norm=0.5)
+def args(out_dir: str, name: str, world: int, **extra):
+    """The layout's arguments at `world` ranks (1: no parallelism entry), 16 rows a step in all."""
+    modules = {k: dict(v) for k, v in LAYOUTS[name][0].items()}
     if world == 1:
         modules["llm"].pop("parallelism")
-    args = helpers.make_args(os.path.join(out_dir, f"{name}_{world}"), modules=modules, max_steps=3,
-                             per_device_train_batch_size=16 // world, save_strategy="steps", save_steps=2)
-    trainer = OmniTrainer(model=model, args=args, train_dataset=helpers.tiny_data(model))
-    trainer.train()
-    state = helpers.full_state(model)
-    placements = {k: str(p.placements) for k, p in model.llm.named_parameters() if hasattr(p, "placements")}
-    return {"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
-            "rank": dist.get_rank() if world > 1 else 0}
+    return helpers.make_args(out_dir, modules=modules, max_steps=3, per_device_train_batch_size=16 // world, **extra)
 
 
-def worker(out_dir: str):
-    import torch
-    from launching import end_distributed
-
+def main(out_dir: str):
     for name in LAYOUTS:
-        got = run(out_dir, name, int(os.environ["WORLD_SIZE"]))
-        if got["rank"] == 0:
-            torch.save(got, os.path.join(out_dir, f"{name}.pt"))
-    end_distributed()
-
-
-def main():
-    import tempfile
-
-    import torch
-    from launching import launch
-
-    out = tempfile.mkdtemp(prefix="layouts8_")
-    launch("mp_layouts_8.py", "--worker", out, processes=8, timeout=900, env_extra={"OMP_NUM_THREADS": "1"})
-    worst = 0.0
-    for name in LAYOUTS:
-        got, single = torch.load(os.path.join(out, f"{name}.pt"), weights_only=True), run(out, name, 1)
-        losses = max(abs(a - b) for a, b in zip(got["losses"], single["losses"]))
-        weights = max((got["state"][k] - v).abs().max().item() for k, v in single["state"].items())
-        worst = max(worst, losses, weights)
-        shown = {k: v for k, v in got["placements"].items() if "layers.0" in k and ("q_proj" in k or "experts" in k)}
-        print(f"{name} {LAYOUTS[name]}: losses {losses:.2e}, weights {weights:.2e}; {shown}")
-    sys.exit(0 if worst <= 1e-5 else 1)
+        trained = model(name)
+        trainer = OmniTrainer(model=trained, args=args(os.path.join(out_dir, name), name, 8, save_strategy="steps",
+                                                       save_steps=2), train_dataset=helpers.tiny_data(trained))
+        trainer.train()
+        state = helpers.full_state(trained)
+        placements = {k: str(p.placements) for k, p in trained.llm.named_parameters() if hasattr(p, "placements")}
+        resumed = model(name, seed=7)
+        again = OmniTrainer(model=resumed, args=args(os.path.join(out_dir, name + "_resumed"), name, 8),
+                            train_dataset=helpers.tiny_data(resumed))
+        again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))
+        resumed_state = helpers.full_state(resumed)
+        if dist.get_rank() == 0:
+            torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
+                        "resumed_losses": helpers.step_losses(again), "resumed": resumed_state},
+                       os.path.join(out_dir, f"{name}.pt"))
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(sys.argv[sys.argv.index("--worker") + 1])
-    else:
-        main()
+    main(sys.argv[1])
+    end_distributed()
