@@ -79,7 +79,10 @@ MOE = {"ep2", "dp4_ep2", "hsdp_ep2"}
 EMA = {"dp2_tp2", "dp4_ep2"}  # the llm's EMA shadows split like it: updated, checkpointed and resumed
 # bf16 compute on a Llama saved in bf16: fp32 masters split by tp, gathered in bf16, exported in bf16
 SCENARIOS["tp2_bf16"] = (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
-BF16 = {"tp2_bf16"}
+# the same with the Qwen2-MoE at ep 2: fp32 masters of the spread experts (their own FSDP2 unit) and of the rest
+SCENARIOS["ep2_bf16"] = (2, llm({"dp_shard_size": 2, "ep_size": 2}), dict(per_device_train_batch_size=4))
+MOE |= {"ep2_bf16"}
+BF16 = {"tp2_bf16", "ep2_bf16"}
 # the README's own model: its LLM computes the loss from `labels` with Trainer's global token count (a scalar inside the
 # split module: each rank reports its share)
 SCENARIOS["dp2_tp2_labels"] = (4, llm(DP2_TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=2))
@@ -120,8 +123,8 @@ def model(name: str, seed: int = 0) -> Captioner:
 
 def both(name: str) -> dict:
     """Arguments of the scenario's multi-rank and one-process runs alike."""
-    return dict(grad_clip_scope="global", max_grad_norm=0.5) if name in MOE else dict(bf16=True) if name in BF16 \
-        else {}
+    return {**(dict(grad_clip_scope="global", max_grad_norm=0.5) if name in MOE else {}),
+            **(dict(bf16=True) if name in BF16 else {})}
 
 
 def args(out_dir, name: str, single: bool = False, **extra):

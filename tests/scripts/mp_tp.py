@@ -47,7 +47,7 @@ def main(out_dir: str):
         if dist.get_rank() == 0:
             torch.save({"losses": helpers.step_losses(trainer), "state": state, "placements": placements,
                         "checkpointing": model.llm.is_gradient_checkpointing,
-                        "dtype": str(model.llm.model.norm.weight.dtype),
+                        "dtypes": sorted({str(p.dtype) for p in model.llm.parameters()}),
                         "managed": is_fsdp_managed_module(model.llm),
                         "save_async": trainer.plugin.checkpointer.save_async,
                         "resumed_losses": helpers.step_losses(again), "resumed": resumed_state,
