@@ -165,7 +165,7 @@ def test_empty_init_split_module_reads_its_boxes(launched, tmp_path, name):
 def test_ragged_rows_cross_the_boundary_exactly(launched):
     """Rank 0 runs 1 row, rank 1 runs 2 through one tp-2 Llama: loss, parameter and input gradients as one process.
     Then rank 1 alone calls it without rows: both ranks raise the same refusal, naming rank 1, and the next call runs
-    on each rank's own rows again."""
+    on each rank's own rows again. `generate` on the same ragged prompts, greedy and sampled: one process's."""
     ranks = launched["ragged"]
     assert [r["rows"][0] for r in ranks] == [1, 2]
     assert ranks[0]["refused"] == ranks[1]["refused"] and "rank 1 of its tensor-parallel group called it with no row" \
@@ -173,7 +173,11 @@ def test_ragged_rows_cross_the_boundary_exactly(launched):
     assert [r["rows_after"][0] for r in ranks] == [1, 2]
     for r in ranks:
         assert r["loss"] < 1e-6 and r["params"] < 1e-7 and r["input"] < 1e-8, r
+        # `generate` on the group's rows with its KV cache: each rank its own prompts' sequences, as one process
+        assert r["greedy"].shape == (r["rows"][0], 10) and torch.equal(r["greedy"], r["expected_greedy"])
+        assert torch.equal(r["sampled"], r["expected_sampled"])  # the first rank's seed, whatever the others'
         assert r["grad_scale"] > 1e-4  # the gradients compared are not all zero
+    assert not torch.equal(ranks[1]["sampled"], ranks[1]["greedy"])  # sampling drew other tokens than greedy
 
 
 def test_mesh_appends_the_tp_dim():

@@ -19,6 +19,7 @@ unset (a released model's forward calling its LLM).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -149,6 +150,51 @@ class Boundary:
                           "by rows (a cache: pass use_cache=False)")
 
 
+    def serve_generate(self, root: nn.Module) -> None:
+        """`root.generate` on the group's rows: its row inputs gathered once, generation run by the whole group in
+        lockstep (the cache holds the group's rows; the module's own forward calls inside it do not gather again),
+        sampling from one seed drawn on the group's first rank, and each rank given its own rows of the output.
+        The returned cache (`return_dict_in_generate`) is dropped: it holds the group's rows, split by heads."""
+        generate = getattr(root, "generate", None)
+        if not callable(generate):
+            return
+
+        @functools.wraps(generate)
+        def generate_on_group_rows(*args, **kwargs):
+            if self.depth:  # inside the module's own forward: its rows are the group's already
+                return generate(*args, **kwargs)
+            self.depth += 1
+            self.sizes = None
+            try:
+                args, kwargs = self._gather_inputs(root, args, kwargs)
+                with same_sampling(self.group, next(root.parameters()).device):
+                    output = generate(*args, **kwargs)
+                if isinstance(output, dict) and "past_key_values" in output:
+                    output["past_key_values"] = None
+                return self._keep(output, "output")
+            finally:
+                self.depth -= 1
+
+        root.generate = generate_on_group_rows
+
+
+def draw_seed() -> int:
+    """The seed a group's first rank draws for its sampling (from its own random state)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def same_sampling(group, device: torch.device):
+    """Every rank of `group` samples alike: the group's first rank's `draw_seed()`, broadcast (one collective per
+    `generate`), seeds a fork of the random state, which is restored after."""
+    seed = torch.tensor([draw_seed()], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+    index = device.index if device.index is not None or device.type == "cpu" else torch.accelerator.current_device_index()
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [index], device_type=device.type):
+        torch.manual_seed(int(seed))
+        yield
+
+
 @functools.cache
 def _signature_has_use_cache(forward) -> bool:
     try:
@@ -162,11 +208,12 @@ def takes_use_cache(module: nn.Module) -> bool:
 
 
 def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...], key: str, name: str) -> None:
-    """Methods other than `forward` that a composed forward may call (`generate`, ...) have no boundary yet: each
-    present one raises, naming the module and key, when called."""
+    """Methods other than `forward` and `generate` that a composed forward may call (`get_image_features`, ...)
+    have no boundary yet: each present one raises, naming the module and key, when called."""
     for method in methods:
         if callable(getattr(root, method, None)):
             def refused(*args, _method=method, **kwargs):
                 raise OmniArgumentError(module_name, key, f"`{_method}` of a {name} module is not supported "
-                                        "yet (only `forward` and its input embeddings have the row boundary)")
+                                        "yet (only `forward`, `generate` and its input embeddings have the row "
+                                        "boundary)")
             setattr(root, method, refused)

@@ -6,8 +6,8 @@ then FSDP2 over its data-parallel dims (`fsdp.py`).
   parameters become DTensors on `tp`, layers exchange plain tensors.
 - Tied weights (an `lm_head` tied to the embeddings): transformers' `apply_tensor_parallelism` looks a tied name up
   as a module, so the second holder is untied before and tied again after; both must be split alike (else refused).
-- The module's boundary with the data-parallel rest of the model: `boundary.py` (its forward and input embeddings);
-  the other methods a composed forward may call (`generate`, ...) are refused by name when called.
+- The module's boundary with the data-parallel rest of the model: `boundary.py` (its forward, its input embeddings
+  and `generate`); the other methods a composed forward may call are refused by name when called.
 - LoRA: PEFT's wrapped layers take the plan entry's style on their base layer and one adapter (`tensor_lora.py`).
 - An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the released model's plan, its entries
   under the module's paths, applied to the released model; each path has the boundary (the released forward calls
@@ -105,9 +105,11 @@ class TensorLayout(Layout):
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         embed = embeddings_of(module)
         roots = run_roots(module)  # an adopted model's module: each of its paths (its LLM, its `lm_head`)
-        Boundary(self.module_name, mesh[self.name], KEY, GROUP).install(*roots, *([embed] if embed is not None else []))
+        boundary = Boundary(self.module_name, mesh[self.name], KEY, GROUP)
+        boundary.install(*roots, *([embed] if embed is not None else []))
         for root in roots:
-            refuse_methods(self.module_name, root, methods, KEY, GROUP)
+            boundary.serve_generate(root)
+            refuse_methods(self.module_name, root, tuple(m for m in methods if m != "generate"), KEY, GROUP)
 
 
 def untie(module: nn.Module, plan: dict) -> list[tuple[nn.Module, str, str, str]]:

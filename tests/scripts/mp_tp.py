@@ -90,7 +90,29 @@ def ragged(out_dir: str):
     except OmniArgumentError as err:
         diffs["refused"] = str(err)
     diffs["rows_after"] = tuple(llm(inputs_embeds=mine.clone(), use_cache=False).logits.shape)  # own rows again
+    diffs.update(generated(llm, reference, rank))
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
+
+
+def generated(llm, reference, rank: int) -> dict:
+    """`generate` on the split Llama, rank r with its own r + 1 prompts (the KV cache of the group's rows), greedy and
+    sampled (every rank seeded differently: the group samples from its first rank's seed), against one process's
+    `generate` on every prompt (sampling from that seed)."""
+    from hf_omni.parallel.boundary import draw_seed
+
+    prompts = torch.randint(3, llm.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
+    rows = [0] if rank == 0 else [1, 2]
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+    with torch.no_grad():
+        greedy = llm.generate(input_ids=prompts[rows], do_sample=False, **kwargs)
+        torch.manual_seed(10 + rank)
+        sampled = llm.generate(input_ids=prompts[rows], do_sample=True, top_k=0, **kwargs)
+        expected_greedy = reference.generate(input_ids=prompts, do_sample=False, **kwargs)[rows]
+        torch.manual_seed(10)
+        torch.manual_seed(draw_seed())
+        expected_sampled = reference.generate(input_ids=prompts, do_sample=True, top_k=0, **kwargs)[rows]
+    return {"greedy": greedy, "expected_greedy": expected_greedy, "sampled": sampled,
+            "expected_sampled": expected_sampled}
 
 
 def elastic(out_dir: str):
