@@ -45,6 +45,9 @@ def build(spec):
     if spec["model"] == "dropping_model":
         model = mixed_modality.mixed_model(mixed_modality.DroppingCaptioner)
         return model, mixed_modality.MixedCaptions(model, mixed_modality.ACCUMULATION), mixed_modality.collate
+    if spec["model"] == "token_image_model":
+        model = mixed_modality.token_image_model()
+        return model, mixed_modality.TokenImageCaptions(model), mixed_modality.collate
     model = getattr(helpers, spec["model"])()
     return model, helpers.tiny_data(model), None
 
@@ -78,6 +81,10 @@ SCENARIOS = {
                       ddp_timeout=1234),
         "single": dict(COMMON, modules=MISSING, per_device_train_batch_size=4, gradient_accumulation_steps=2),
         "model": "dropping_model", "atol": 1e-5},
+    # the module without input split by tensor parallelism (a Llama reading image tokens at dp_shard 2 x tp 2): a rank
+    # without an image runs the dummy inside its tp group, whose boundary gathers the group's rows (real and dummy)
+    "missing_modality_tp": scenario({**MISSING, "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {
+        "dp_shard_size": 2, "tp_size": 2}}}, model="token_image_model"),
     # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones
     "missing_modality_offline": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                           "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model",

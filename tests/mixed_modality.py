@@ -49,6 +49,52 @@ class DroppingCaptioner(MixedCaptioner):
         return self.llm(inputs_embeds=embeds, labels=labels, **kw).to_tuple()
 
 
+class TokenImageCaptioner(MixedCaptioner):
+    """Its vision module a Llama reading each image as 17 tokens (`image_tokens`), as VQ-token VLMs read images: a
+    module with a tensor-parallel plan that some ranks have no input for."""
+
+    @offline_encoder(module="vision", inputs=["image_ids"], output="image_features")
+    def encode_image(self, image_ids):
+        return self.vision(input_ids=image_ids).last_hidden_state
+
+    def forward(self, input_ids, image_ids=None, labels=None, **kw):
+        return super().forward(input_ids, pixel_values=image_ids, labels=labels, **kw)
+
+
+def image_tokens(pixel_values: torch.Tensor) -> torch.Tensor:
+    """A (C, 8, 8) image as 17 token ids: 0 (a start token), then its 4 x 4 mean-pooled grey levels in 16 bins."""
+    pooled = torch.nn.functional.avg_pool2d(pixel_values.mean(0, keepdim=True), 2).flatten()
+    bins = torch.bucketize(pooled, torch.linspace(float(pooled.min()), float(pooled.max()) + 1e-6, 17)[1:-1])
+    return torch.cat([torch.zeros(1, dtype=torch.long), bins + 1])
+
+
+def token_image_model() -> TokenImageCaptioner:
+    from transformers import LlamaConfig, LlamaModel
+
+    base = tiny_model()
+    modules = base.omni_modules()
+    torch.manual_seed(0)
+    modules["vision"] = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2))
+    return TokenImageCaptioner.from_modules(modules, processors=base.processors)
+
+
+class TokenImageCaptions(torch.utils.data.Dataset):
+    """`MixedCaptions` with each image as its `image_tokens`."""
+
+    def __init__(self, model):
+        self.rows = MixedCaptions(model)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        item = dict(self.rows[i])
+        if "pixel_values" in item:
+            item["image_ids"] = image_tokens(item.pop("pixel_values"))
+        return item
+
+
 def mixed_model(cls=MixedCaptioner) -> MixedCaptioner:
     base = tiny_model()
     return cls.from_modules(base.omni_modules(), processors=base.processors)

@@ -113,12 +113,16 @@ def test_every_group_of_every_mesh_carries_ddp_timeout(four_ranks):
     assert "llm.dp_replicate" in four_ranks["mixed_global_clip"]["facts"]["timeouts"]
 
 
-@pytest.mark.parametrize("name", ["missing_modality", "missing_modality_accumulation", "missing_modality_offline"])
+@pytest.mark.parametrize("name", ["missing_modality", "missing_modality_accumulation", "missing_modality_offline",
+                                  "missing_modality_tp"])
 def test_the_missing_modality_exchange_is_one_all_gather_per_optimizer_step(four_ranks, name):
     """hf_omni's side group carries one collective per step: the window's exchange, agreed in `get_batch_samples`
     for all of its micro-batches (2 in missing_modality_accumulation, whose entry point is called at each); no
     exchange or agreement per forward or per entry-point call. The losses and weights equal one process
     (`test_four_ranks_on_per_module_meshes_equal_one_rank`)."""
+    if name == "missing_modality_tp":  # the module some ranks lack input for: split over (dp_shard, tp)
+        assert four_ranks[name]["facts"]["mesh_shapes"]["vision"] == (2, 2)
+        assert four_ranks[name]["facts"]["placements"]["vision"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     steps = four_ranks[name]["facts"]["side_collectives"]
     assert len(steps) == 4 and all(list(step.values()) == [1] for step in steps), steps
     assert all(next(iter(step)).startswith("all_gather") for step in steps), steps
