@@ -120,7 +120,12 @@ def check_placements(name: str, placements: dict) -> None:
     """The llm's parameters as the scenario's layout splits them: transformers' tensor-parallel plan under FSDP2
     over the dp dims of (dp_shard, tp); its expert-parallel plan under FSDP2 over (efsdp, ep); FSDP2 alone."""
     strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # FSDP2's rows nested inside tp's / ep's
-    if name in tp_scenarios.MOE:
+    if name == "dp2_tp2_ep2":  # attention split over tp, each rank's 3 experts sharded on dim 1 over efsdp 2, the
+        # router a plain FSDP2 parameter over dp_shard 2
+        assert placements["model.layers.0.self_attn.q_proj.weight"] == strided
+        assert placements["model.layers.0.mlp.experts.gate_up_proj"] == "(Shard(dim=1), Shard(dim=0))"
+        assert placements["model.layers.0.mlp.gate.weight"] == "(Shard(dim=0),)"
+    elif name in tp_scenarios.MOE:
         replicas = "(Replicate(), " if name.startswith("hsdp") else "("  # HSDP: (dp_replicate, efsdp, ep)
         # 3 experts a rank over 2 efsdp ranks would pad: FSDP2 shards them on dim 1 inside the expert range
         on_columns = name in ("dp4_ep2", "dp4_ep2_lora")
@@ -228,8 +233,8 @@ EP2 = {"dp_shard_size": 2, "ep_size": 2}
 
 @pytest.mark.parametrize("modules, match", [
     ({"llm": {"parallel": "ddp", "parallelism": EP2}}, r"llm.*parallelism\.ep_size.*needs `parallel: fsdp`"),
-    ({"llm": {"parallel": "fsdp", "parallelism": {**EP2, "tp_size": 2}}},
-     r"llm.*parallelism\.ep_size.*expert and tensor parallelism in one module"),
+    ({"llm": {"parallel": "fsdp", "parallelism": {"dp_shard_size": 1, "tp_size": 4, "ep_size": 2}}},
+     r"llm.*parallelism\.ep_size.*must be a multiple of tp_size = 4"),
     ({"llm": {"parallel": "fsdp", "parallelism": {"dp_shard_size": 3, "ep_size": 2}}},
      r"llm.*parallelism\.ep_size.*must divide dp_shard_size x tp_size = 3"),
 ])
@@ -260,7 +265,7 @@ def test_tensor_layout_refuses_styles_it_does_not_serve():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.tp_size.*Qwen2MoeForCausalLM is a MoE model.*"
-                                                r"use ep_size"):
+                                                r"add ep_size"):
         layouts_for("llm", TP2)[0].check(tp_scenarios.tp_model(moe=True).llm)
     qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=8))

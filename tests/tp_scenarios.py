@@ -75,7 +75,11 @@ SCENARIOS["dp4_ep2"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, ema={"decay":
 # HSDP: the experts over one efsdp rank, their replicas all-reduced (the divide factor applied once)
 SCENARIOS["hsdp_ep2"] = (4, llm({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}),
                          dict(per_device_train_batch_size=2))
-MOE = {"ep2", "dp4_ep2", "hsdp_ep2"}
+# tensor and expert parallelism in one module: the Qwen2-MoE's attention split over tp 2, its experts over ep 2 (each
+# TP group one expert group: its ranks send disjoint slices of the group's rows), FSDP2 over dp_shard 2 for the rest
+SCENARIOS["dp2_tp2_ep2"] = (4, llm({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}),
+                            dict(per_device_train_batch_size=2))
+MOE = {"ep2", "dp4_ep2", "hsdp_ep2", "dp2_tp2_ep2"}
 EMA = {"dp2_tp2", "dp4_ep2"}  # the llm's EMA shadows split like it: updated, checkpointed and resumed
 # bf16 compute on a Llama saved in bf16: fp32 masters split by tp, gathered in bf16, exported in bf16
 SCENARIOS["tp2_bf16"] = (2, llm(TP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))

@@ -32,11 +32,13 @@ def tensor_parallel_plan(module: nn.Module, tp_size: int, dp_shard_size: int, dp
     return plans[0] if plans else {}
 
 
-def expert_parallel_plan(module: nn.Module, ep_size: int, dp_shard_size: int, dp_replicate_size: int) -> dict:
+def expert_parallel_plan(module: nn.Module, ep_size: int, dp_shard_size: int, dp_replicate_size: int,
+                         tp_size: int = 1) -> dict:
     """`module`'s resolved expert-parallel plan (`config.base_model_ep_plan`: fused expert weights `grouped_gemm`,
     their modules `ep_dispatch_experts`) at these sizes; `{}` when its config declares none. transformers' own
     sizing errors (`ep_size` must divide `fsdp_size * tp_size`) propagate as its ValueError."""
-    plans = _plans(module, ep_size=ep_size, fsdp_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+    plans = _plans(module, ep_size=ep_size, tp_size=tp_size, fsdp_size=dp_shard_size,
+                   dp_replicate_size=dp_replicate_size)
     return plans[1] if plans else {}
 
 

@@ -189,7 +189,8 @@ def same_sampling(group, device: torch.device):
     `generate`), seeds a fork of the random state, which is restored after."""
     seed = torch.tensor([draw_seed()], dtype=torch.int64, device=device)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
-    index = device.index if device.index is not None or device.type == "cpu" else torch.accelerator.current_device_index()
+    index = device.index if device.index is not None else 0 if device.type == "cpu" else \
+        torch.accelerator.current_device_index()
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [index], device_type=device.type):
         torch.manual_seed(int(seed))
         yield

@@ -74,6 +74,10 @@ class ModuleDims:
             if other is not None:
                 raise self.refuse(cls.size_key, f"{both(cls.description, other.description)} in one module are not "
                                   f"supported: use {cls.size_key} with dp_shard_size (and dp_replicate_size) only")
+            for key in cls.multiple_of:
+                if self.size(cls.size_key) % self.size(key):
+                    raise self.refuse(cls.size_key, f"must be a multiple of {key} = {self.size(key)} "
+                                      f"({cls.multiple_of_why}), got {self.size(cls.size_key)}")
             if cls.divides:
                 product = math.prod(self.size(k) for k in cls.divides)
                 if product % self.size(cls.size_key):
@@ -193,7 +197,7 @@ def role_table() -> list[str]:
     for cls in LAYOUTS.own():
         where = f"`{cls.name}`, {ROLES[cls.dim].split(':')[0]}" if cls.dim else "a mesh of its own"
         rule = ("multiplies the world size" if cls.dim else f"divides {' x '.join(cls.divides)}") + \
-            f"; `parallel: {' | '.join(cls.strategies)}`"
+            "".join(f", a multiple of {k}" for k in cls.multiple_of) + f"; `parallel: {' | '.join(cls.strategies)}`"
         rows.append(f"| `{cls.size_key}` | {cls.description} | {where} | {rule} | "
                     f"{', '.join(f'`{k}`' for k in cls.excludes) or '-'} | {'no: ' + cls.lora if cls.lora else cls.lora_terms or 'yes'}"
                     f" | {cls.boundary or '-'} |")

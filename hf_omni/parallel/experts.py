@@ -14,8 +14,14 @@ ranks by the class's own transformers plan (`config.base_model_ep_plan`), tokens
   parameters' average): the mean over every rank's loss, as a data-parallel module.
 - FSDP2 shards each rank's experts over efsdp on dim 0 unless that pads them by more than 5% (fewer local experts
   than efsdp ranks), then on a dim that divides (`placement.shard_dim` of the local shape).
-- Not with `tp_size` in the same module. LoRA on the dense layers (attention, router, shared experts) composes as
-  under FSDP2 alone; adapters on the fused experts (PEFT's `target_parameters`) are refused by name.
+- With `tp_size` T in the same module (attention split by its plan, experts spread; transformers' rule: E a multiple
+  of T dividing S x T): the expert mesh is `(dp_replicate?, efsdp, ep)` with efsdp = S x T / E, and the ranks of a
+  TP group, which run the group's rows together, each send a disjoint slice of them to the experts and gather the
+  results back over `tp` (transformers' `AllToAllEP` given the `tp` mesh as the ranks sharing a batch): every token
+  reaches its experts once. The gradient conventions above hold with the TP boundary's (each TP group's rows
+  weighted 1/T), so the divide factor stays R x S.
+- LoRA on the dense layers (attention, router, shared experts) composes as under FSDP2 alone; adapters on the fused
+  experts (PEFT's `target_parameters`) are refused by name.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class ExpertLayout(Layout):
     divides = ("dp_shard_size", "tp_size")
     divides_why = ("set dp_shard_size: with ep_size the entry names every size) (transformers' DistributedConfig "
                    "rule: experts are spread inside the shard group, never over more ranks")
-    excludes = ("tp_size",)
+    multiple_of = ("tp_size",)
+    multiple_of_why = "transformers' DistributedConfig rule: an expert group is whole tensor-parallel groups"
     lora_terms = ("on its dense layers (attention, router, shared experts); on the fused experts (PEFT's "
                   "`target_parameters`) refused")
 
@@ -52,7 +59,7 @@ class ExpertLayout(Layout):
     def model_plan(self, model: nn.Module) -> dict:
         try:
             return expert_parallel_plan(model, self.size(), self.size("dp_shard_size"),
-                                        self.size("dp_replicate_size"))
+                                        self.size("dp_replicate_size"), self.size("tp_size"))
         except ValueError as err:  # transformers' own sizing rule; "... has no `ep_plan`": refused by `check`
             if "ep_plan" in str(err):
                 return {}
@@ -87,9 +94,10 @@ class ExpertLayout(Layout):
                                         "target_modules")
 
     def mesh(self):
-        """`(dp_replicate?, efsdp, ep, batch)` over every rank; `batch`: the ranks holding one batch (this one)."""
+        """`(dp_replicate?, efsdp, ep, batch)` over every rank; efsdp = S x T / E; `batch`: the ranks holding one
+        batch without tensor parallelism (this one)."""
         replicate, ep = self.size("dp_replicate_size"), self.size()
-        shape = (self.size("dp_shard_size") // ep, ep, 1)
+        shape = (self.size("dp_shard_size") * self.size("tp_size") // ep, ep, 1)
         names = ("efsdp", "ep", "batch")
         if replicate > 1:
             shape, names = (replicate, *shape), ("dp_replicate", *names)
@@ -97,7 +105,8 @@ class ExpertLayout(Layout):
 
     def apply(self, module: nn.Module, mesh) -> None:
         (model, plan), experts = self.split(module), self.mesh()
-        apply_expert_plan(model, experts["ep"], experts["batch"], plan)
+        batch = mesh["tp"] if self.size("tp_size") > 1 else experts["batch"]  # the ranks sharing one batch
+        apply_expert_plan(model, experts["ep"], batch, plan)
         self.units = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
 
     def shard_first(self, module: nn.Module, kwargs: dict) -> None:

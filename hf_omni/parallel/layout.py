@@ -43,6 +43,8 @@ class Layout:
     # its own over the same ranks); then its size multiplies nothing and must divide the product of `divides`
     divides: tuple[str, ...] = ()  # size keys whose product its size divides (a layout without a dim)
     divides_why = ""  # the rule's reason, for its refusal
+    multiple_of: tuple[str, ...] = ()  # size keys its size must be a multiple of (where set above 1)
+    multiple_of_why = ""  # the rule's reason, for its refusal
     excludes: tuple[str, ...] = ()  # size keys it cannot share a module with
     strategies: tuple[str, ...] = ("fsdp",)  # the `parallel:` values it composes under
     lora: str | None = None  # why LoRA is refused under it (None: LoRA composes with it)

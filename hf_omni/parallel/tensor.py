@@ -60,11 +60,11 @@ class TensorLayout(Layout):
     def check(self, module: nn.Module) -> None:
         model, plan = self.split(module)
         config = getattr(model, "config", None)
-        if any(getattr(c, "base_model_ep_plan", None) for c in (config, getattr(config, "get_text_config",
-                                                                                   lambda: None)())):
+        if self.size("ep_size") == 1 and any(getattr(c, "base_model_ep_plan", None) for c in (
+                config, getattr(config, "get_text_config", lambda: None)())):
             raise OmniArgumentError(self.module_name, KEY, f"{type(model).__name__} is a MoE model (its config has an "
-                                    "expert-parallel plan): tensor parallelism does not split its experts here; use "
-                                    "ep_size")
+                                    "expert-parallel plan): tensor parallelism does not split its experts; add "
+                                    "ep_size (a multiple of tp_size) to spread them")
         other = next(((name, style) for name, style in plan.items() if style not in STYLES), None)
         if other is not None:  # packed (fused gate_up), experts, replicated-with-all-reduce: untested here
             raise OmniArgumentError(self.module_name, KEY, f"its plan splits {other[0]} as `{other[1]}`, which "
