@@ -102,6 +102,18 @@ def check_merged(folder, llm, atol: float) -> None:
     assert expected.keys() - loaded.keys() <= {"lm_head.weight"} - loaded.keys()
 
 
+@pytest.mark.parametrize("name", list(tp_scenarios.GENERATE))
+def test_generate_on_the_trained_split_llm_is_one_processs(launched, name):
+    """The trained tp 2 / ep 2 llm's `generate` under OmniTrainer's wrapping, each rank on its own prompts (ep 2:
+    rank 0 stops 3 tokens before rank 1), against the export loaded whole in one process on each rank's prompts."""
+    got = torch.load(launched["out"] / f"{name}_generated.pt", weights_only=True)
+    llm = tp_scenarios.RowLossCaptioner.from_pretrained(launched["out"] / name / "export").llm
+    for rank, sequences in enumerate(got):
+        expected = tp_scenarios.generate(llm, rank, name)
+        assert sequences.shape == (2, 4 + tp_scenarios.GENERATE[name][rank])
+        assert torch.equal(sequences, expected), (rank, sequences, expected)
+
+
 @pytest.mark.parametrize("name", list(tp_scenarios.ELASTIC))
 def test_tensor_parallel_checkpoint_resumes_at_another_layout(launched, name):
     """dp_shard 2 x tp 2 at 4 ranks -> FSDP2 over 4 ranks and over 2 without tensor parallelism; ep 2 over 4 ranks

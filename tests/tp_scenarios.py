@@ -140,3 +140,21 @@ def args(out_dir, name: str, single: bool = False, **extra):
 def save(name: str) -> dict:
     """The multi-rank runs' checkpoint-2 (resumed there and in one process); tp2_tied saves asynchronously."""
     return dict(save_strategy="steps", save_steps=2, save_async=name == "tp2_tied")
+
+
+GENERATE = {"tp2": (6, 6), "ep2": (3, 6)}  # the trained llm's `generate` per rank: max_new_tokens of ranks 0 and 1
+# (ep2: rank 0 stops first and keeps joining the experts' all-to-alls until rank 1 is done, `synced_gpus`)
+
+
+def prompts(rank: int, vocab: int) -> torch.Tensor:
+    """Rank `rank`'s two prompts of 4 tokens for `generate` (rank 2's: the two after)."""
+    every = torch.randint(3, vocab, (8, 4), generator=torch.Generator().manual_seed(3))
+    return every[2 * rank: 2 * rank + 2]
+
+
+def generate(llm, rank: int, name: str) -> torch.Tensor:
+    new = GENERATE[name][rank]
+    with torch.no_grad():
+        return llm.generate(input_ids=prompts(rank, llm.config.vocab_size), do_sample=False, max_new_tokens=new,
+                            min_new_tokens=new, pad_token_id=0)
+

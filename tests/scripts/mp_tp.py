@@ -37,6 +37,9 @@ def main(out_dir: str):
         if name in tp_scenarios.LORAS:  # LoRA merged row by row on the ranks holding the rows
             model.save_pretrained(os.path.join(out_dir, name, "merged"), is_main_process=dist.get_rank() == 0,
                                   merge_lora=True)
+        if name in tp_scenarios.GENERATE:  # each rank its own prompts through the trained split llm
+            helpers.save_every_rank(tp_scenarios.generate(model.llm, dist.get_rank(), name),
+                                    os.path.join(out_dir, f"{name}_generated.pt"))
         state = helpers.full_state(model)
         resumed = tp_scenarios.model(name, seed=7)  # every weight from the checkpoint
         again = OmniTrainer(model=resumed, args=tp_scenarios.args(os.path.join(out_dir, name + "_resumed"), name),
