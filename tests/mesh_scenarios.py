@@ -45,8 +45,8 @@ def build(spec):
     if spec["model"] == "dropping_model":
         model = mixed_modality.mixed_model(mixed_modality.DroppingCaptioner)
         return model, mixed_modality.MixedCaptions(model, mixed_modality.ACCUMULATION), mixed_modality.collate
-    if spec["model"] == "token_image_model":
-        model = mixed_modality.token_image_model()
+    if spec["model"] in ("token_image_model", "moe_token_image_model"):
+        model = mixed_modality.token_image_model(moe=spec["model"].startswith("moe"))
         return model, mixed_modality.TokenImageCaptions(model), mixed_modality.collate
     model = getattr(helpers, spec["model"])()
     return model, helpers.tiny_data(model), None
@@ -85,6 +85,10 @@ SCENARIOS = {
     # without an image runs the dummy inside its tp group, whose boundary gathers the group's rows (real and dummy)
     "missing_modality_tp": scenario({**MISSING, "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {
         "dp_shard_size": 2, "tp_size": 2}}}, model="token_image_model"),
+    # ... and by expert parallelism (a Qwen2-MoE reading image tokens, its 4 experts over ep 2): a rank without an
+    # image still joins its experts' all-to-alls with the dummy's rows
+    "missing_modality_ep": scenario({**MISSING, "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {
+        "dp_shard_size": 4, "ep_size": 2}}}, model="moe_token_image_model"),
     # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones
     "missing_modality_offline": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                           "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model",

@@ -68,14 +68,17 @@ def image_tokens(pixel_values: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), bins + 1])
 
 
-def token_image_model() -> TokenImageCaptioner:
-    from transformers import LlamaConfig, LlamaModel
+def token_image_model(moe: bool = False) -> TokenImageCaptioner:
+    """`moe`: the image-token reader a Qwen2-MoE (4 fused experts, top 2) instead of a Llama."""
+    from transformers import LlamaConfig, LlamaModel, Qwen2MoeConfig, Qwen2MoeModel
 
     base = tiny_model()
     modules = base.omni_modules()
     torch.manual_seed(0)
-    modules["vision"] = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2))
+    shape = dict(vocab_size=20, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    modules["vision"] = Qwen2MoeModel(Qwen2MoeConfig(
+        **shape, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2)) if moe else LlamaModel(LlamaConfig(**shape, intermediate_size=64))
     return TokenImageCaptioner.from_modules(modules, processors=base.processors)
 
 
