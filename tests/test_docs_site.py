@@ -55,11 +55,12 @@ def generator(name: str):
 
 
 @pytest.mark.parametrize("name, make", [("cli_reference", "section"), ("compatibility", "table"),
-                                        ("errors", "catalogue"), ("kinds", "tables"), ("parallelism_keys", "table")])
+                                        ("errors", "catalogue"), ("kinds", "tables"), ("parallelism_keys", "table"),
+                                        ("layout_matrix", "table")])
 def test_each_generated_section_is_what_its_generator_prints(name, make):
     """The CLI reference is the parser's own help, the versions page setup.cfg and both constraints files, the
     refusals catalogue every raise in hf_omni/ (the scan finds more than 50), the kinds' tables the registries, the
-    `parallelism` keys the layouts' declarations."""
+    `parallelism` keys the layouts' declarations, the layout matrix those and the tests serving its cells."""
     module = generator(name)
     with open(module.PAGE) as f:
         written = module.generated.section(f.read(), module.BEGIN, module.END)

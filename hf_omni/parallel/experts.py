@@ -48,6 +48,10 @@ class ExpertLayout(Layout):
                    "rule: experts are spread inside the shard group, never over more ranks")
     multiple_of = ("tp_size",)
     multiple_of_why = "transformers' DistributedConfig rule: an expert group is whole tensor-parallel groups"
+    notes = {"loss from labels": "n/a: no boundary (every rank runs its own rows), a loss inside the module is as "
+                                 "under FSDP2",
+             "tied embeddings": "n/a: it splits only the experts; the embeddings are FSDP2's",
+             "diffusers denoiser": "refused: a diffusers model declares no transformers expert-parallel plan"}
     lora_terms = ("on its dense layers (attention, router, shared experts); on the fused experts (PEFT's "
                   "`target_parameters`) refused")
 

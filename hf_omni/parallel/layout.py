@@ -50,6 +50,8 @@ class Layout:
     lora: str | None = None  # why LoRA is refused under it (None: LoRA composes with it)
     lora_terms: str | None = None  # the terms LoRA composes on under it (for the docs' table)
     boundary: str | None = None  # what moves between the split module and the rest of the model (None: nothing)
+    notes: dict[str, str] = {}  # a feature of docs/parallel.md's matrix (`FEATURES`) that no test serves under it:
+    # "refused: why" (refused by name when asked) or "n/a: why" (the layout leaves it as FSDP2 does)
 
     def __init__(self, module_name: str, sizes: dict, meshes=None):
         self.module_name, self.sizes, self.meshes = module_name, sizes, meshes
@@ -92,6 +94,11 @@ class Layout:
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         """What the rest of the composed model needs around the split module (its boundary), after FSDP2;
         `methods`: those other than `forward` a composed forward may call on it."""
+
+
+FEATURES = ("LoRA", "EMA", "bf16, fp32 masters", "activation checkpointing", "accumulation", "HSDP",
+            "elastic resume", "empty_init", "generate", "missing modality", "adopted model", "loss from labels",
+            "tied embeddings", "diffusers denoiser", "the other layout")  # the matrix's columns (docs/parallel.md)
 
 
 LAYOUTS = Registry("layout", Layout, identifiers=True, label="`parallelism.{name}_size`")

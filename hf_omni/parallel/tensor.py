@@ -39,6 +39,7 @@ class TensorLayout(Layout):
     description = "tensor parallelism"
     dim = "model"
     lora_terms = LORA_TERMS
+    notes = {"diffusers denoiser": "refused: a diffusers model declares no transformers tensor-parallel plan"}
     boundary = ("rows: the group's rows gathered at the module's inputs, each rank's own rows kept of its outputs "
                 "(backward: the reverse)")
 
