@@ -198,9 +198,9 @@ def role_table() -> list[str]:
         where = f"`{cls.name}`, {ROLES[cls.dim].split(':')[0]}" if cls.dim else "a mesh of its own"
         rule = ("multiplies the world size" if cls.dim else f"divides {' x '.join(cls.divides)}") + \
             "".join(f", a multiple of {k}" for k in cls.multiple_of) + f"; `parallel: {' | '.join(cls.strategies)}`"
+        lora = "no: " + cls.lora if cls.lora else cls.lora_terms or "yes"
         rows.append(f"| `{cls.size_key}` | {cls.description} | {where} | {rule} | "
-                    f"{', '.join(f'`{k}`' for k in cls.excludes) or '-'} | {'no: ' + cls.lora if cls.lora else cls.lora_terms or 'yes'}"
-                    f" | {cls.boundary or '-'} |")
+                    f"{', '.join(f'`{k}`' for k in cls.excludes) or '-'} | {lora} | {cls.boundary or '-'} |")
     return rows
 
 
