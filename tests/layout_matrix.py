@@ -34,6 +34,18 @@ TESTED = {
         "adopted model": ("test_adopted_experts.py", "qwen2_moe"),
         "the other layout": ("test_tp.py", "dp2_tp2_ep2"),
     },
+    "sp": {
+        "LoRA": ("test_tp.py", "sp2_lora"),
+        "EMA": ("test_tp.py", "dp2_sp2_labels"),
+        "bf16, fp32 masters": ("test_tp.py", "sp2_bf16"),
+        "activation checkpointing": ("test_tp.py", "sp2_accumulation_ac"),
+        "accumulation": ("test_tp.py", "sp2_accumulation_ac"),
+        "HSDP": ("test_layouts_8.py", "hsdp_sp"),
+        "elastic resume": ("test_tp.py", "dp2_sp2_to_dp2"),
+        "empty_init": ("test_tp.py", "empty_init_sp2"),
+        "missing modality": ("test_mesh_multiprocess.py", "missing_modality_sp"),
+        "loss from labels": ("test_tp.py", "dp2_sp2_labels"),
+    },
 }
 
 
@@ -44,7 +56,7 @@ def scenarios() -> set[str]:
     import tp_scenarios
     from scripts import mp_adopted, mp_layouts_8
 
-    return {*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, *(f"empty_init_{n}" for n in ("tp2", "ep2")),
+    return {*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, *(f"empty_init_{n}" for n in ("tp2", "ep2", "sp2")),
             *mesh_scenarios.SCENARIOS, *mp_layouts_8.LAYOUTS, *mp_adopted.CASES, *adopted_experts.FAMILIES}
 
 

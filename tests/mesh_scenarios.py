@@ -89,6 +89,10 @@ SCENARIOS = {
     # image still joins its experts' all-to-alls with the dummy's rows
     "missing_modality_ep": scenario({**MISSING, "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {
         "dp_shard_size": 4, "ep_size": 2}}}, model="moe_token_image_model"),
+    # ... and by sequence parallelism (the Llama image-token reader at dp_shard 2 x sp 2: 17 tokens padded to 18, 9 a
+    # rank): a rank without an image exchanges the dummy's rows with its group
+    "missing_modality_sp": scenario({**MISSING, "vision": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {
+        "dp_shard_size": 2, "sp_size": 2}}}, model="token_image_model"),
     # the same from vision's offline cache: a rank without an image gets 0 rows shaped like the cached ones
     "missing_modality_offline": scenario({"vision": {"trainable": False}, "projector": {"learning_rate": 3e-3},
                                           "llm": {**LLM, "parallelism": HSDP}}, model="mixed_model",

@@ -1,6 +1,6 @@
 """HSDP with tensor or expert parallelism at 8 gloo ranks (tests/scripts/mp_layouts_8.py, one launch): the captioner's
 Llama at `{dp_replicate_size: 2, dp_shard_size: 2, tp_size: 2}` (plain, and with LoRA on its column- and row-wise
-layers), a Qwen2-MoE LLM at `{dp_replicate_size: 2, dp_shard_size: 4, ep_size: 2}`; each rank its own 2 rows, against
+layers) and at `{dp_replicate_size: 2, dp_shard_size: 2, sp_size: 2}`, a Qwen2-MoE LLM at `{dp_replicate_size: 2, dp_shard_size: 4, ep_size: 2}`; each rank its own 2 rows, against
 one process on the same global batch of 16: losses and weights within 1e-5; resumed from the 8-rank checkpoint at
 the same layout it ends bitwise as the run, and in this one process within 1e-5."""
 
@@ -39,7 +39,9 @@ def test_hsdp_with_a_layout_trains_as_one_process(launched, tmp_path, name):
     assert step_losses(again) == pytest.approx(got["losses"], abs=1e-5)
     assert_state_close(full_state(resumed), got["state"], atol=1e-5)
     placements = got["placements"]
-    if name == "hsdp_ep":  # (dp_replicate, efsdp, ep): replicated, each pair of ranks sharding its 3 experts on dim 1
+    if name == "hsdp_sp":  # (dp_replicate, dp_shard x sp): replicated, FSDP2 over the 4 ranks of dp_shard x sp
+        assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Replicate(), Shard(dim=0))"
+    elif name == "hsdp_ep":  # (dp_replicate, efsdp, ep): replicated, each pair of ranks sharding its 3 experts on dim 1
         assert placements["model.layers.0.mlp.experts.gate_up_proj"] == "(Replicate(), Shard(dim=1), Shard(dim=0))"
     else:  # (dp_replicate, dp_shard, tp): replicated, FSDP2's rows nested inside tp's
         q = "model.layers.0.self_attn.q_proj." + ("base_layer." if name.endswith("lora") else "")

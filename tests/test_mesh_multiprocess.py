@@ -114,7 +114,7 @@ def test_every_group_of_every_mesh_carries_ddp_timeout(four_ranks):
 
 
 @pytest.mark.parametrize("name", ["missing_modality", "missing_modality_accumulation", "missing_modality_offline",
-                                  "missing_modality_tp", "missing_modality_ep"])
+                                  "missing_modality_tp", "missing_modality_ep", "missing_modality_sp"])
 def test_the_missing_modality_exchange_is_one_all_gather_per_optimizer_step(four_ranks, name):
     """hf_omni's side group carries one collective per step: the window's exchange, agreed in `get_batch_samples`
     for all of its micro-batches (2 in missing_modality_accumulation, whose entry point is called at each); no

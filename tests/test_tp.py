@@ -39,7 +39,7 @@ def launched(tmp_path_factory, launch_ranks):
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
                            for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged",
-                                        "empty_init_tp2", "empty_init_ep2"]}}
+                                        "empty_init_tp2", "empty_init_ep2", "empty_init_sp2", "sp_ragged"]}}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
@@ -125,14 +125,17 @@ def test_tensor_parallel_checkpoint_resumes_at_another_layout(launched, name):
     check_placements(name, launched[name]["placements"])
 
 
-TOLERANCE = {"tp2_bf16": 1e-2, "ep2_bf16": 1e-2}  # bf16 compute: the split's sums round in another order than one process's
+TOLERANCE = {"tp2_bf16": 1e-2, "ep2_bf16": 1e-2, "sp2_bf16": 1e-2}  # bf16 compute: the split's sums round in another order than one process's
 
 
 def check_placements(name: str, placements: dict) -> None:
     """The llm's parameters as the scenario's layout splits them: transformers' tensor-parallel plan under FSDP2
     over the dp dims of (dp_shard, tp); its expert-parallel plan under FSDP2 over (efsdp, ep); FSDP2 alone."""
     strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # FSDP2's rows nested inside tp's / ep's
-    if name == "dp2_tp2_ep2":  # attention split over tp, each rank's 3 experts sharded on dim 1 over efsdp 2, the
+    if name in tp_scenarios.SEQUENCE:  # no weight split: FSDP2 over dp_shard x sp flattened
+        layer = "model.layers.0.self_attn.q_proj." + ("base_layer." if name.endswith("lora") else "")
+        assert placements[layer + "weight"] == "(Shard(dim=0),)"
+    elif name == "dp2_tp2_ep2":  # attention split over tp, each rank's 3 experts sharded on dim 1 over efsdp 2, the
         # router a plain FSDP2 parameter over dp_shard 2
         assert placements["model.layers.0.self_attn.q_proj.weight"] == strided
         assert placements["model.layers.0.mlp.experts.gate_up_proj"] == "(Shard(dim=1), Shard(dim=0))"
@@ -164,7 +167,7 @@ def check_placements(name: str, placements: dict) -> None:
         assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # no plan entry: a replica over tp
 
 
-@pytest.mark.parametrize("name", ["tp2", "ep2"])
+@pytest.mark.parametrize("name", ["tp2", "ep2", "sp2"])
 def test_empty_init_split_module_reads_its_boxes(launched, tmp_path, name):
     """The tp2 / ep2 export rebuilt on meta (`empty_init`) at 2 ranks (split and sharded there, each rank reads its
     boxes: the experts its range) trains as that export loaded whole in one process."""
@@ -195,6 +198,53 @@ def test_ragged_rows_cross_the_boundary_exactly(launched):
         assert torch.equal(r["sampled"], r["expected_sampled"])  # the first rank's seed, whatever the others'
         assert r["grad_scale"] > 1e-4  # the gradients compared are not all zero
     assert not torch.equal(ranks[1]["sampled"], ranks[1]["greedy"])  # sampling drew other tokens than greedy
+
+
+def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(launched):
+    """Rank 0 runs 1 row of 7 tokens, rank 1 2 rows of 5 through one sp-2 Llama (padded to 8, each rank attending
+    over every position for 2 of the 4 heads): logits, the loss from shifted labels over Trainer's global count and
+    every gradient as one process's. Left padding on one rank and `generate`: every rank raises the same refusal."""
+    ranks = launched["sp_ragged"]
+    assert [r["shape"] for r in ranks] == [(1, 7, 19), (2, 5, 19)]  # each rank its own rows, whole
+    for r in ranks:
+        assert r["logits"] < 1e-5 and r["loss"] < 1e-6 and r["params"] < 2e-7, r
+        assert r["grad_scale"] > 1e-4
+    assert ranks[0]["left_padding"] == ranks[1]["left_padding"] and "left padding" in ranks[0]["left_padding"] and \
+        "parallelism.sp_size" in ranks[0]["left_padding"]
+    assert all("`generate` of a sequence-parallel module is not supported" in r["generate"] for r in ranks)
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"dp_shard_size": 1, "sp_size": 2, "tp_size": 2}, r"sequence parallelism \(Ulysses\) and tensor parallelism"),
+    ({"dp_shard_size": 2, "sp_size": 2, "ep_size": 2}, r"sequence parallelism \(Ulysses\) and expert parallelism"),
+])
+def test_sequence_parallelism_with_another_layout_is_refused(entry, match):
+    with pytest.raises(OmniArgumentError, match=rf"llm.*parallelism\.sp_size.*{match}"):
+        mesh_shape("llm", entry, 4)
+
+
+def test_sequence_layout_refuses_what_it_cannot_split():
+    """Heads that sp does not divide; a module whose attention is not transformers' interface; an adopted model's
+    module: refused by module and key before anything is split."""
+    from released_models import BUILDERS, MODULES
+    from transformers import ViTConfig, ViTModel
+
+    from hf_omni import OmniModel
+
+    sp = {"dp_shard_size": 1, "sp_size": 2}
+    three = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=3, num_key_value_heads=3))
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*3 attention heads.*Ulysses splits heads"):
+        layouts_for("llm", sp)[0].check(three)
+    vit = ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                             image_size=8, patch_size=4))
+    vit.set_attn_implementation = None  # as a class that cannot set its attention implementation
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*not reached through transformers' "
+                                                r"attention interface"):
+        layouts_for("llm", sp)[0].check(vit)
+    adopted = OmniModel.from_model(BUILDERS["llava"](), modules=MODULES["llava"])
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*an adopted model's module"):
+        layouts_for("llm", sp)[0].check(adopted.llm)
 
 
 def test_mesh_appends_the_tp_dim():

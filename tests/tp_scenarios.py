@@ -106,12 +106,30 @@ SCENARIOS["dp4_ep2_lora"] = (4, llm({"dp_shard_size": 4, "ep_size": 2}, learning
                              dict(per_device_train_batch_size=2))
 MOE |= {"dp4_ep2_lora"}
 LORAS = {"dp2_tp2_lora"}
+# sequence parallelism (Ulysses): the LLM's group runs the group's rows, each rank on half the positions; no weight
+# split (FSDP2 over dp_shard x sp); the README's model with its loss from `labels`, accumulation with activation
+# checkpointing (the recompute runs the all-to-alls again), EMA, LoRA, bf16
+SP2, DP2_SP2 = {"dp_shard_size": 1, "sp_size": 2}, {"dp_shard_size": 2, "sp_size": 2}
+SCENARIOS["sp2"] = (2, llm(SP2, max_grad_norm=0.5), dict(per_device_train_batch_size=4))
+SCENARIOS["dp2_sp2_labels"] = (4, llm(DP2_SP2, max_grad_norm=0.5, ema={"decay": 0.8}),
+                               dict(per_device_train_batch_size=2))
+SCENARIOS["sp2_accumulation_ac"] = (2, llm(SP2, activation_checkpointing=True),
+                                    dict(per_device_train_batch_size=2, gradient_accumulation_steps=2))
+SCENARIOS["sp2_lora"] = (2, llm(SP2, lora=LORA, learning_rate=3e-3), dict(per_device_train_batch_size=4))
+SCENARIOS["sp2_bf16"] = (2, llm(SP2), dict(per_device_train_batch_size=4))
+LABELS |= {"dp2_sp2_labels"}
+EMA |= {"dp2_sp2_labels"}
+BF16 |= {"sp2_bf16"}
+SEQUENCE = {"sp2", "dp2_sp2_labels", "sp2_accumulation_ac", "sp2_lora", "sp2_bf16", "dp2_sp2_to_dp2"}
 ELASTIC = {  # name: (processes, the scenario whose checkpoint-2 it resumes, modules, multi-rank arguments); the 4-rank
     # launch runs first: its checkpoints are resumed at 4 ranks without tensor parallelism and at 2 ranks
     "dp2_tp2_to_dp4": (4, "dp2_tp2", llm({"dp_shard_size": 4}, max_grad_norm=0.5), dict(per_device_train_batch_size=2)),
     "dp2_tp2_to_dp2": (2, "dp2_tp2", llm({"dp_shard_size": 2}, max_grad_norm=0.5), dict(per_device_train_batch_size=4)),
     "dp4_ep2_to_ep2": (2, "dp4_ep2", *SCENARIOS["ep2"][1:]),
+    "dp2_sp2_to_dp2": (2, "dp2_sp2_labels", llm({"dp_shard_size": 2}, max_grad_norm=0.5, ema={"decay": 0.8}),
+                       dict(per_device_train_batch_size=4)),
 }
+LABELS |= {"dp2_sp2_to_dp2"}
 MOE |= {"dp4_ep2_to_ep2"}
 
 

@@ -48,6 +48,8 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.distributed.utils.TransformersDeviceMesh"),
     ("transformers", "transformers.distributed.fsdp.is_fsdp_managed_module"),
     ("transformers", "transformers.distributed.tensor_parallel.apply_tensor_parallelism"),
+    ("transformers", "transformers.PreTrainedModel._can_set_attn_implementation"),
+    ("transformers", "transformers.PretrainedConfig._attn_implementation"),
 ]
 
 

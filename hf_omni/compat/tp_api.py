@@ -1,5 +1,6 @@
 """transformers' tensor- and expert-parallel machinery (`transformers.distributed`, 5.x), behind named functions
-(indexed in `hf_omni.compat`): the module class's own plans, and applying them on 1-D `tp` / `ep` meshes."""
+(indexed in `hf_omni.compat`): the module class's own plans, and applying them on 1-D `tp` / `ep` meshes; and its
+attention interface, which sequence parallelism wraps."""
 
 from __future__ import annotations
 
@@ -72,3 +73,24 @@ def mark_sharded(module: nn.Module) -> None:
     experts' all-to-alls) until every rank is done, instead of leaving the others waiting."""
     resolve("transformers.distributed.fsdp.is_fsdp_managed_module")
     module._is_fsdp_managed_module = True  # the attribute `is_fsdp_managed_module` reads
+
+
+def attention_of(module: nn.Module) -> str | None:
+    """The attention implementation `module` runs through transformers' attention interface (`sdpa`, `eager`, ...),
+    or None when the module cannot set one (not a transformers model, or a class outside the interface)."""
+    resolve("transformers.PreTrainedModel._can_set_attn_implementation")
+    resolve("transformers.PretrainedConfig._attn_implementation")
+    settable = getattr(module, "_can_set_attn_implementation", None)
+    if getattr(module, "config", None) is None or not callable(settable) or \
+            not callable(getattr(module, "set_attn_implementation", None)) or not settable():
+        return None
+    return module.config._attn_implementation or "eager"
+
+
+def set_attention(module: nn.Module, name: str, function) -> None:
+    """Register `function` under `name` in transformers' attention interface and make `module` run it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+    module.set_attn_implementation(name)
+

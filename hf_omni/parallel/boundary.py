@@ -208,13 +208,13 @@ def takes_use_cache(module: nn.Module) -> bool:
     return _signature_has_use_cache(type(module).forward)
 
 
-def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...], key: str, name: str) -> None:
-    """Methods other than `forward` and `generate` that a composed forward may call (`get_image_features`, ...)
-    have no boundary yet: each present one raises, naming the module and key, when called."""
+def refuse_methods(module_name: str, root: nn.Module, methods: tuple[str, ...], key: str, name: str,
+                   served: str = "`forward`, `generate` and its input embeddings") -> None:
+    """Methods other than those `served` that a composed forward may call (`get_image_features`, ...) have no
+    boundary yet: each present one raises, naming the module and key, when called."""
     for method in methods:
         if callable(getattr(root, method, None)):
             def refused(*args, _method=method, **kwargs):
                 raise OmniArgumentError(module_name, key, f"`{_method}` of a {name} module is not supported "
-                                        "yet (only `forward`, `generate` and its input embeddings have the row "
-                                        "boundary)")
+                                        f"yet (only {served} have its boundary)")
             setattr(root, method, refused)

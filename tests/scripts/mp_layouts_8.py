@@ -22,6 +22,8 @@ HSDP_TP = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
 LAYOUTS = {  # name: (the llm's entry, whether its LLM is the Qwen2-MoE)
     "hsdp_tp": (tp_scenarios.llm(HSDP_TP, max_grad_norm=0.5), False),
     "hsdp_tp_lora": (tp_scenarios.llm(HSDP_TP, lora=tp_scenarios.LORA, learning_rate=3e-3), False),
+    "hsdp_sp": (tp_scenarios.llm({"dp_replicate_size": 2, "dp_shard_size": 2, "sp_size": 2}, max_grad_norm=0.5),
+                False),
     "hsdp_ep": (tp_scenarios.llm({"dp_replicate_size": 2, "dp_shard_size": 4, "ep_size": 2}, max_grad_norm=0.5), True),
 }
 

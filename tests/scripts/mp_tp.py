@@ -97,6 +97,56 @@ def ragged(out_dir: str):
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
 
 
+def sp_ragged(out_dir: str):
+    """A tiny Llama at sp 2 (FSDP2 over dp_shard 1 x sp 2) and its boundary: rank r runs r + 1 rows of its own length
+    (7 and 5 tokens: padded to 8 and split in 4 + 4), labels with ignored positions, Trainer's global token count.
+    Reference: the same model in this process on every rank's rows, objective the sum of the ranks' losses. Then a
+    left-padded attention mask on rank 1 alone: both ranks raise the same refusal; and `generate` is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_omni.compat import flatten_mesh
+    from hf_omni.parallel.sequence import SequenceLayout
+
+    torch.manual_seed(0)
+    llm = tp_scenarios.tp_model().llm
+    reference = copy.deepcopy(llm)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "sp"))
+    layout = SequenceLayout("llm", {"dp_shard_size": 1, "sp_size": world})
+    layout.check(llm)
+    layout.apply(llm, mesh)
+    fully_shard(llm, mesh=mesh[flatten_mesh(mesh, ("dp_shard", "sp"))])
+    layout.after_fsdp(llm, mesh, ("generate",))
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, llm.config.vocab_size, (r + 1, 7 - 2 * r), generator=g) for r in range(world)]
+    labels = [i.clone() for i in ids]
+    labels[0][:, :3] = -100  # rank 0's first positions: no loss (an image prefix)
+    count = torch.tensor(sum(int((lab[:, 1:] != -100).sum()) for lab in labels))
+    out = llm(input_ids=ids[rank], labels=labels[rank], num_items_in_batch=count)
+    out.loss.backward()
+    refs = [reference(input_ids=i, labels=lab, num_items_in_batch=count) for i, lab in zip(ids, labels)]
+    sum(r.loss for r in refs).backward()
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    ref = dict(reference.named_parameters())
+    grads = {n: p.grad.full_tensor() * world for n, p in llm.named_parameters()}  # FSDP2's average: x N = the sum
+    diffs = {"logits": (out.logits - refs[rank].logits).abs().max().item(), "shape": tuple(out.logits.shape),
+             "loss": abs(total.item() - sum(r.loss.item() for r in refs)),
+             "params": max((grads[n] - ref[n].grad).abs().max().item() for n in grads),
+             "grad_scale": ref["model.norm.weight"].grad.abs().max().item()}
+    mask = torch.ones_like(ids[rank])
+    if rank == 1:
+        mask[:, 0] = 0  # left padding
+    for key, call in (("left_padding", lambda: llm(input_ids=ids[rank], attention_mask=mask)),
+                      ("generate", lambda: llm.generate(input_ids=ids[rank], max_new_tokens=2))):
+        try:
+            call()
+        except OmniArgumentError as err:
+            diffs[key] = str(err)
+    helpers.save_every_rank(diffs, os.path.join(out_dir, "sp_ragged.pt"))
+
+
 def generated(llm, reference, rank: int) -> dict:
     """`generate` on the split Llama, rank r with its own r + 1 prompts (the KV cache of the group's rows), greedy and
     sampled (every rank seeded differently: the group samples from its first rank's seed), against one process's
@@ -152,7 +202,7 @@ def empty_init(out_dir: str):
                        os.path.join(out_dir, f"empty_init_{name}.pt"))
 
 
-EMPTY_INIT = [name for name in ("tp2", "ep2") if name in tp_scenarios.SCENARIOS]
+EMPTY_INIT = [name for name in ("tp2", "ep2", "sp2") if name in tp_scenarios.SCENARIOS]
 
 
 if __name__ == "__main__":
@@ -162,4 +212,5 @@ if __name__ == "__main__":
         empty_init(sys.argv[1])
     if int(os.environ["WORLD_SIZE"]) == 2:
         ragged(sys.argv[1])
+        sp_ragged(sys.argv[1])
     end_distributed()

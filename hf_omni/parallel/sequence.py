@@ -1,0 +1,102 @@
+"""`parallelism: {sp_size: N}` on a `parallel: fsdp` module: Ulysses sequence parallelism. The module's group of N
+ranks runs the group's rows together, each rank on 1 / N of the positions (`sequence_boundary.py`); around each
+attention an all-to-all trades the sequence split for a head split (each rank attends over every position for
+1 / N of the heads) and another trades it back (`sequence_exchange.Swap`). No weight is split: FSDP2 shards the
+module over its data dims and `sp` together (torchtitan's `dp_shard x cp`), so checkpoints and exports are the data-
+parallel ones.
+
+- transformers modules through transformers' own attention interface: an attention function registered under a
+  name of the module's own (`AttentionInterface.register`) wraps the one the module was configured with (sdpa, eager,
+  flash) and is set with the model's `set_attn_implementation`; no model code is edited. Under that name
+  transformers builds no mask (none is needed: sdpa and flash take `is_causal` over the whole sequence, eager is
+  given the causal mask of the whole sequence; padding is on the right, `sequence_boundary.py`).
+- Refused by name: a module whose attention is not reached through the interface (a diffusers model, a class that
+  cannot set its attention implementation), attention or key/value heads that N does not divide, an adopted model's
+  module, `tp_size` / `ep_size` in the same module, `generate` and the module's other methods when called.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..compat import attention_of, set_attention
+from ..core.errors import OmniArgumentError
+from ..modules.units import roots_of, run_roots
+from .boundary import refuse_methods
+from .layout import Layout, register_layout
+from .sequence_boundary import SequenceBoundary
+from .sequence_exchange import Swap
+
+KEY = "parallelism.sp_size"
+GROUP = "sequence-parallel"
+
+
+@register_layout
+class SequenceLayout(Layout):
+    name = "sp"
+    description = "sequence parallelism (Ulysses)"
+    dim = "shard"  # FSDP2 shards over it with dp_shard: no weight is split
+    excludes = ("tp_size", "ep_size")
+    lora_terms = "yes (no weight is split)"
+    boundary = ("positions: the group's rows exchanged to each rank's 1 / N of the positions at the module's inputs, "
+                "outputs back to their rows (all-to-all both ways)")
+    notes = {"tied embeddings": "n/a: it splits no weight; the embeddings are FSDP2's",
+             "generate": "refused: a KV cache of the group's rows' chunks is no rank's; called, it raises by name",
+             "adopted model": "refused: an adopted model's module under sp_size (the released forward's positions) "
+                              "is refused by name",
+             "diffusers denoiser": "refused: a diffusers model's attention is not reached through transformers' "
+                                   "attention interface",
+             "the other layout": "refused: tp_size or ep_size with sp_size in one module is refused by name"}
+
+    def check(self, module: nn.Module) -> None:
+        if roots_of(module):
+            raise OmniArgumentError(self.module_name, KEY, "an adopted model's module under sequence parallelism is "
+                                    "not supported yet (its released forward makes the positions)")
+        if attention_of(module) is None:
+            raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__}'s attention is not reached "
+                                    "through transformers' attention interface: sequence parallelism cannot wrap it")
+        config = module.config
+        text = getattr(config, "get_text_config", lambda: config)()
+        n = self.size()
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(text, key, None)
+            if isinstance(heads, int) and heads % n:
+                raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has {heads} "
+                                        f"{'key/value' if 'key' in key else 'attention'} heads ({key}), which {n} "
+                                        "ranks cannot split evenly (Ulysses splits heads): use an sp_size that "
+                                        "divides it")
+
+    def apply(self, module: nn.Module, mesh) -> None:
+        wrapped = ulysses(attention_of(module), mesh[self.name].get_group())
+        set_attention(module, f"hf_omni_sp_{self.module_name}", wrapped)
+
+    def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
+        roots = run_roots(module)
+        SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*roots)
+        for root in roots:
+            refuse_methods(self.module_name, root, methods, KEY, GROUP, served="`forward` (a KV cache of the "
+                           "group's rows' chunks would be no rank's)")
+
+
+def ulysses(base: str, group):
+    """The attention function: q, k, v of this rank's positions and every head -> every position and 1 / N of the
+    heads (one all-to-all each), the configured attention over the whole sequence, and back."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)  # the model's own
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
+        q, k, v = (Swap.apply(t, group, 1, 2) for t in (query, key, value))  # (B, H / N, L, D)
+        kwargs.pop("position_ids", None)  # this rank's positions: flash would read them as packed sequences
+        mask = None
+        if base == "eager" and getattr(module, "is_causal", True):  # eager takes no `is_causal`
+            length = q.shape[2]
+            mask = torch.full((length, length), torch.finfo(q.dtype).min, device=q.device, dtype=q.dtype).triu(1)
+            mask = mask[None, None]
+        out, _ = fn(module, q, k, v, mask, **kwargs)  # (B, L, H / N, D)
+        return Swap.apply(out, group, 1, 2), None  # (B, L / N, H, D)
+
+    return attention

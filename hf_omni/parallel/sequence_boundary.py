@@ -1,0 +1,171 @@
+"""The boundary of a sequence-parallel module (`sequence.py`): the rest of the composed model is data parallel (each
+rank its own rows, whole sequences), while the module's group runs the group's rows together, each rank on its
+1 / N of the positions.
+
+At the module's forward: each rank's sequence inputs (`input_ids` / `inputs_embeds` and every tensor with the same
+rows and positions: `attention_mask`, `labels`, `position_ids`, ...) are padded to the group's longest sequence,
+rounded up to a multiple of N, and exchanged so that rank j holds positions [j L / N, (j + 1) L / N) of the group's
+rows in rank order (`sequence_exchange.RowsToChunks`, one all-to-all per tensor). Position ids are the global ones
+(made where the call gives none); `labels` are shifted before the split and passed as `shift_labels` too, so a loss
+the module computes (transformers' `ForCausalLMLoss`) pairs each position with the next token even across chunks.
+The outputs with the group's rows and this rank's positions go back to their rows' ranks, the padding cut off.
+
+A loss from `labels` over a global count (`num_items_in_batch`, Trainer's token count over every rank) is a sum
+over the chunk's tokens: the ranks' losses add up to the group's, and FSDP2's average over the data and sequence
+ranks gives one process's gradients. Without it, the module is given the group's label count / N as its count:
+each rank reports N x (its chunk's sum) / (the group's count), whose mean over the group is the group's mean (one
+process's when every rank holds as many label tokens), with no chunk dividing by zero labels.
+
+Right padding only (what a causal LM's collator gives): a padded position never reaches an earlier one through causal
+attention, and its outputs are cut off. An `attention_mask` with a 0 before a 1 (left padding, packed holes) is
+refused by name on every rank of the group. Row counts and lengths are read to the host once per call (the
+exchange's split sizes).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import OmniArgumentError
+from .boundary import takes_use_cache
+from .sequence_exchange import ChunksToRows, RowsToChunks
+
+FIRST = ("inputs_embeds", "input_ids")
+PAD = {"labels": -100, "shift_labels": -100}  # other sequence tensors pad with 0 (position ids: continued)
+
+
+class SequenceBoundary:
+    """Hooks around a sequence-parallel module's forward; only the outermost call exchanges."""
+
+    def __init__(self, module_name: str, mesh, key: str):
+        self.module_name, self.key, self.group = module_name, key, mesh.get_group()
+        self.me, self.size = mesh.get_local_rank(), mesh.size()
+        self.depth, self.state = 0, None
+
+    def install(self, *modules: nn.Module) -> None:
+        for module in modules:
+            module.register_forward_pre_hook(self.before, with_kwargs=True)
+            module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
+
+    def refuse(self, what: str) -> OmniArgumentError:
+        return OmniArgumentError(self.module_name, self.key, what)
+
+    def before(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth > 1:
+            return None
+        self.state = None
+        kwargs = as_keywords(module, args, kwargs)
+        if kwargs.get("use_cache") is None and takes_use_cache(module):
+            kwargs["use_cache"] = False  # a cache of the group's rows' chunks is no rank's
+        rows, lengths, padded = self._agree(kwargs)
+        chunks = {k: RowsToChunks.apply(v, self.group, rows, self.me) for k, v in padded.items()}
+        if "labels" in chunks:
+            chunks["shift_labels"] = chunks["labels"]
+            if kwargs.get("num_items_in_batch") is None:
+                count = (chunks["labels"] != -100).sum().float()
+                dist.all_reduce(count, group=self.group)
+                kwargs["num_items_in_batch"] = count / self.size
+        self.state = (rows, lengths)
+        return (), {**kwargs, **chunks}
+
+    def _agree(self, kwargs: dict) -> tuple[list[int], list[int], dict]:
+        """Every rank's row count and length (one all-gather), then this rank's sequence tensors padded to the
+        group's length (a multiple of N), labels shifted, position ids made."""
+        first = next((kwargs[k] for k in FIRST if isinstance(kwargs.get(k), torch.Tensor)), None)
+        b, n = (first.shape[0], first.shape[1]) if first is not None and first.ndim >= 2 else (-1, -1)
+        mask = kwargs.get("attention_mask")
+        holes = bool_holes(mask) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else torch.zeros((), dtype=bool)
+        device = first.device if first is not None else torch.device("cpu")
+        meta = torch.tensor([b, n, 0, int(isinstance(kwargs.get("labels"), torch.Tensor))], device=device)
+        meta[2] = holes.to(device=device, dtype=meta.dtype)  # on the device: read with the rest, below
+        every = [torch.empty_like(meta) for _ in range(self.size)]
+        dist.all_gather(every, meta, group=self.group)
+        table = torch.stack(every).tolist()  # the one host read of the call
+        if any(r[0] < 0 for r in table):
+            raise self.refuse(f"rank {[r[0] for r in table].index(-1)} of its sequence-parallel group called it "
+                              "without input_ids / inputs_embeds of (rows, positions)")
+        if any(r[2] for r in table):
+            raise self.refuse("an attention_mask with padding before a token (left padding) reached it: sequence "
+                              "parallelism serves right padding only; pad on the right")
+        if len({r[3] for r in table}) > 1:
+            raise self.refuse("some ranks of its sequence-parallel group pass labels and others do not")
+        length = -(-max(r[1] for r in table) // self.size) * self.size
+        return [r[0] for r in table], [r[1] for r in table], self._padded(kwargs, b, n, length)
+
+    def _padded(self, kwargs: dict, rows: int, n: int, length: int) -> dict:
+        out = {}
+        for key, value in kwargs.items():
+            if not isinstance(value, torch.Tensor) or value.ndim < 2 or key == "shift_labels":
+                continue
+            if key == "position_ids" and value.shape[0] == 1 and rows != 1:
+                value = value.expand(rows, -1)
+            if tuple(value.shape[:2]) != (rows, n):
+                if value.shape[0] == rows:
+                    raise self.refuse(f"its argument {key} {tuple(value.shape)} has one row per input row but not "
+                                      f"one entry per position ({n}): sequence parallelism cannot split it")
+                continue
+            if key == "labels":  # shifted before the split: position t's label is token t + 1
+                value = torch.cat([value[:, 1:], value.new_full((rows, 1), -100)], dim=1)
+            out[key] = pad(value, length, PAD.get(key, 0), continued=key == "position_ids")
+        if "position_ids" not in out:
+            device = next(iter(out.values())).device
+            out["position_ids"] = torch.arange(length, device=device).expand(rows, -1)
+        return out
+
+    def after(self, module, args, kwargs, output):
+        try:
+            return self._back(output, "output") if self.depth == 1 and self.state is not None else None
+        finally:
+            self.depth -= 1
+
+    def _back(self, value, key: str):
+        rows, lengths = self.state
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            if value.ndim >= 2 and value.shape[0] == sum(rows):
+                return ChunksToRows.apply(value, self.group, rows, self.me)[:, : lengths[self.me]]
+            if value.ndim == 0:  # a loss: each rank's share (the module docstring)
+                return value
+            raise self.refuse(f"its {key} {tuple(value.shape)} is neither per row and position nor a scalar: compute "
+                              "it outside the module from its own rows")
+        if isinstance(value, dict):  # ModelOutput too
+            for name in list(value.keys()):
+                value[name] = self._back(value[name], name)
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._back(v, f"{key}[{i}]") for i, v in enumerate(value))
+        raise self.refuse(f"its {key} is a {type(value).__name__}, which the sequence-parallel boundary cannot send "
+                          "back to its rows (a cache: pass use_cache=False)")
+
+
+def bool_holes(mask: torch.Tensor) -> torch.Tensor:
+    """Whether a 2-D attention mask has a 0 before a 1 in some row (left padding, holes): on the device."""
+    on = mask.bool()
+    return (~on[:, :-1] & on[:, 1:]).any() if on.shape[1] > 1 else torch.zeros((), dtype=torch.bool, device=on.device)
+
+
+def pad(value: torch.Tensor, length: int, fill, continued: bool = False) -> torch.Tensor:
+    """`value` (rows, n, ...) to (rows, length, ...): `fill`, or positions continued (position ids)."""
+    extra = length - value.shape[1]
+    if extra <= 0:
+        return value
+    if continued:
+        tail = value[:, -1:] + torch.arange(1, extra + 1, device=value.device)
+    else:
+        tail = value.new_full((value.shape[0], extra, *value.shape[2:]), fill)
+    return torch.cat([value, tail], dim=1)
+
+
+def as_keywords(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A forward's positional arguments as keywords (by its signature), so every input is found by name."""
+    if not args:
+        return dict(kwargs)
+    names = [p.name for p in inspect.signature(module.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {**dict(zip(names, args)), **kwargs}
