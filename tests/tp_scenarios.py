@@ -171,8 +171,13 @@ def prompts(rank: int, vocab: int) -> torch.Tensor:
 
 
 def generate(llm, rank: int, name: str) -> torch.Tensor:
-    new = GENERATE[name][rank]
-    with torch.no_grad():
-        return llm.generate(input_ids=prompts(rank, llm.config.vocab_size), do_sample=False, max_new_tokens=new,
-                            min_new_tokens=new, pad_token_id=0)
+    """In eval mode, as loaded (in train mode with activation checkpointing transformers 5.23 drops the cache)."""
+    new, training = GENERATE[name][rank], llm.training
+    llm.eval()
+    try:
+        with torch.no_grad():
+            return llm.generate(input_ids=prompts(rank, llm.config.vocab_size), do_sample=False, max_new_tokens=new,
+                                min_new_tokens=new, pad_token_id=0)
+    finally:
+        llm.train(training)
 

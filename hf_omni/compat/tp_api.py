@@ -22,10 +22,13 @@ def _plans(module: nn.Module, **sizes) -> tuple[dict, dict] | None:
     return dict(tp), dict(ep)
 
 
-def tensor_parallel_plan(module: nn.Module, tp_size: int, dp_shard_size: int, dp_replicate_size: int) -> dict:
-    """`module`'s resolved tensor-parallel plan at these sizes; `{}` when its class and config declare none."""
+def tensor_parallel_plan(module: nn.Module, tp_size: int, dp_shard_size: int, dp_replicate_size: int,
+                         ep_size: int = 1) -> dict:
+    """`module`'s resolved tensor-parallel plan at these sizes; `{}` when its class and config declare none. With
+    `ep_size`, transformers leaves the experts to the expert-parallel plan (5.23 otherwise splits them by tp)."""
     try:
-        plans = _plans(module, tp_size=tp_size, fsdp_size=dp_shard_size, dp_replicate_size=dp_replicate_size)
+        plans = _plans(module, tp_size=tp_size, ep_size=ep_size, fsdp_size=dp_shard_size,
+                       dp_replicate_size=dp_replicate_size)
     except ValueError as err:  # "tp_size=2 was requested, but X has no tp_plan"
         if "tp_plan" in str(err):
             return {}

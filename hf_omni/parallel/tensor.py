@@ -52,7 +52,7 @@ class TensorLayout(Layout):
         released model with the entries under the module's paths (its LLM's layers, its `lm_head`); layers PEFT
         wrapped: the entries moved onto their base layers and split adapters (`tensor_lora`)."""
         model, plan = self.scoped(module, lambda model: tensor_parallel_plan(
-            model, self.size(), self.size("dp_shard_size"), self.size("dp_replicate_size")))
+            model, self.size(), self.size("dp_shard_size"), self.size("dp_replicate_size"), self.size("ep_size")))
         return model, adapted_plan(model, plan, self.module_name, KEY)
 
     def plan(self, module: nn.Module) -> dict:
