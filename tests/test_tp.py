@@ -350,7 +350,8 @@ def test_expert_layout_refuses_what_it_cannot_spread():
 def test_tensor_parallelism_is_per_module_only(tmp_path):
     with pytest.raises(OmniArgumentError, match=r"parallelism\.tp_size.*per module"):
         make_args(tmp_path, parallel="fsdp", parallelism=TP2)
-    with pytest.raises(OmniArgumentError, match=r"parallelism\.cp_size"):
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.cp_size.*ring attention.*no CPU SDPA sharding "
+                                                r"rule.*use sp_size"):
         make_args(tmp_path, modules={"llm": {"parallel": "fsdp", "parallelism": {"cp_size": 2}}})
 
 

@@ -145,6 +145,13 @@ def both(first: str, second: str) -> str:
     return f"{head} and {second}" if head and second.endswith(" " + last) else f"{first} and {second}"
 
 
+NOT_SERVED = {  # fields of Accelerate's ParallelismConfig no layout serves yet, and why
+    "cp_size": "context parallelism (ring attention) is not served per module yet: torch's `context_parallel` has "
+               "no CPU SDPA sharding rule (`aten._scaled_dot_product_flash_attention_for_cpu`), so it cannot be "
+               "tested here; use sp_size (Ulysses) for long sequences",
+}
+
+
 def check_values(module: str | None, entry: dict) -> None:
     """Each key known and each size an integer >= 1. A field of Accelerate's `ParallelismConfig` no layout serves
     yet is accepted at 1 and refused above it, naming what is."""
@@ -155,8 +162,9 @@ def check_values(module: str | None, entry: dict) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise OmniArgumentError(module, f"parallelism.{key}", f"must be an integer >= 1, got {size!r}")
         if key not in registered and size > 1:
-            raise OmniArgumentError(module, f"parallelism.{key}", "a field of Accelerate's ParallelismConfig that "
-                                    "no per-module layout serves in hf_omni; registered: " + ", ".join(registered))
+            raise OmniArgumentError(module, f"parallelism.{key}", NOT_SERVED.get(key, "a field of Accelerate's "
+                                    "ParallelismConfig that no per-module layout serves in hf_omni") +
+                                    "; registered: " + ", ".join(registered))
 
 
 @refusal(RESOLVED)
