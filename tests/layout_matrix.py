@@ -44,6 +44,7 @@ TESTED = {
         "elastic resume": ("test_tp.py", "dp2_sp2_to_dp2"),
         "empty_init": ("test_tp.py", "empty_init_sp2"),
         "missing modality": ("test_mesh_multiprocess.py", "missing_modality_sp"),
+        "adopted model": ("test_adopted_multiprocess.py", "llava_sp2"),
         "loss from labels": ("test_tp.py", "dp2_sp2_labels"),
     },
 }

@@ -10,9 +10,13 @@ parallel ones.
   flash) and is set with the model's `set_attn_implementation`; no model code is edited. Under that name
   transformers builds no mask (none is needed: sdpa and flash take `is_causal` over the whole sequence, eager is
   given the causal mask of the whole sequence; padding is on the right, `sequence_boundary.py`).
+- An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the paths holding attention (the
+  language model) take the wrapped attention and the boundary; the released forward runs the rest on whole rows
+  (`lm_head`, its loss). Position ids of another shape than (rows, positions) (Qwen2.5-VL's 3-D rotary positions)
+  are refused by name.
 - Refused by name: a module whose attention is not reached through the interface (a diffusers model, a class that
-  cannot set its attention implementation), attention or key/value heads that N does not divide, an adopted model's
-  module, `tp_size` / `ep_size` in the same module, `generate` and the module's other methods when called.
+  cannot set its attention implementation), attention or key/value heads that N does not divide, `tp_size` /
+  `ep_size` in the same module, `generate` and the module's other methods when called.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import nn
 
 from ..compat import attention_of, set_attention
 from ..core.errors import OmniArgumentError
-from ..modules.units import roots_of, run_roots
+from ..modules.units import run_roots
 from .boundary import refuse_methods
 from .layout import Layout, register_layout
 from .sequence_boundary import SequenceBoundary
@@ -45,38 +49,41 @@ class SequenceLayout(Layout):
                 "outputs back to their rows (all-to-all both ways)")
     notes = {"tied embeddings": "n/a: it splits no weight; the embeddings are FSDP2's",
              "generate": "refused: a KV cache of the group's rows' chunks is no rank's; called, it raises by name",
-             "adopted model": "refused: an adopted model's module under sp_size (the released forward's positions) "
-                              "is refused by name",
              "diffusers denoiser": "refused: a diffusers model's attention is not reached through transformers' "
                                    "attention interface",
              "the other layout": "refused: tp_size or ep_size with sp_size in one module is refused by name"}
 
+    def attended(self, module: nn.Module) -> list[nn.Module]:
+        """What runs of the module whose attention goes through transformers' interface: the module itself, or an
+        adopted model's paths holding attention (its language model; not its `lm_head`)."""
+        return [root for root in run_roots(module) if attention_of(root) is not None]
+
     def check(self, module: nn.Module) -> None:
-        if roots_of(module):
-            raise OmniArgumentError(self.module_name, KEY, "an adopted model's module under sequence parallelism is "
-                                    "not supported yet (its released forward makes the positions)")
-        if attention_of(module) is None:
+        attended = self.attended(module)
+        if not attended:
             raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__}'s attention is not reached "
                                     "through transformers' attention interface: sequence parallelism cannot wrap it")
-        config = module.config
-        text = getattr(config, "get_text_config", lambda: config)()
         n = self.size()
-        for key in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(text, key, None)
-            if isinstance(heads, int) and heads % n:
-                raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__} has {heads} "
-                                        f"{'key/value' if 'key' in key else 'attention'} heads ({key}), which {n} "
-                                        "ranks cannot split evenly (Ulysses splits heads): use an sp_size that "
-                                        "divides it")
+        for root in attended:
+            config = root.config
+            text = getattr(config, "get_text_config", lambda: config)()
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(text, key, None)
+                if isinstance(heads, int) and heads % n:
+                    raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has {heads} "
+                                            f"{'key/value' if 'key' in key else 'attention'} heads ({key}), which {n} "
+                                            "ranks cannot split evenly (Ulysses splits heads): use an sp_size that "
+                                            "divides it")
 
     def apply(self, module: nn.Module, mesh) -> None:
-        wrapped = ulysses(attention_of(module), mesh[self.name].get_group())
-        set_attention(module, f"hf_omni_sp_{self.module_name}", wrapped)
+        self.roots = self.attended(module)
+        for i, root in enumerate(self.roots):
+            wrapped = ulysses(attention_of(root), mesh[self.name].get_group())
+            set_attention(root, f"hf_omni_sp_{self.module_name}" + (f"_{i}" if i else ""), wrapped)
 
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
-        roots = run_roots(module)
-        SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*roots)
-        for root in roots:
+        SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*self.roots)
+        for root in run_roots(module):
             refuse_methods(self.module_name, root, methods, KEY, GROUP, served="`forward` (a KV cache of the "
                            "group's rows' chunks would be no rank's)")
 

@@ -102,6 +102,9 @@ class SequenceBoundary:
         for key, value in kwargs.items():
             if not isinstance(value, torch.Tensor) or value.ndim < 2 or key == "shift_labels":
                 continue
+            if key == "position_ids" and value.ndim > 2:
+                raise self.refuse(f"its position_ids {tuple(value.shape)} are not (rows, positions) (3-D rotary "
+                                  "positions): sequence parallelism cannot split them yet")
             if key == "position_ids" and value.shape[0] == 1 and rows != 1:
                 value = value.expand(rows, -1)
             if tuple(value.shape[:2]) != (rows, n):

@@ -16,6 +16,8 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
   cached module reads them), LoRA LLM under FSDP;
 - llava_tp2: LLaVA with its LLM (`model.language_model` and `lm_head`) tensor parallel over the 2 ranks (the
   released model's plan), each rank's own rows crossing its boundary;
+- llava_sp2: the same with its LLM sequence parallel over the 2 ranks (its language model's attention wrapped, each
+  rank running both ranks' rows on half the positions; `lm_head` and the released forward's loss on whole rows);
 - empty_init: Qwen2.5-VL from its released folder on the meta device (`from_model(cls, folder, empty_init=True)`),
   every module sharded, each rank reading its own rows of the released files (LLM trained fully: a fresh LoRA's
   draw differs per shard under empty_init);
@@ -65,6 +67,10 @@ CASES = {
                             "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                             "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
                                     "parallelism": {"dp_shard_size": 1, "tp_size": 2}}}, {}),
+    "llava_sp2": ("llava", {"vision": {"trainable": False, "parallel": "fsdp"},
+                            "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
+                            "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
+                                    "parallelism": {"dp_shard_size": 1, "sp_size": 2}}}, {}),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
