@@ -423,6 +423,20 @@ def hsdp():
             f"4 steps (tol 1e-5)")
 
 
+@check(40, "2 gloo ranks (sdpa's CPU kernel)", needs=("2 ranks",))
+def sequence_parallel():
+    """The LLM at sp 2 (Ulysses: NCCL all-to-alls, sdpa's CUDA kernels over the whole sequence for half the heads)
+    against full shard over the same ranks."""
+    split = copy.deepcopy(FP32)
+    split["llm"]["parallelism"] = {"dp_shard_size": WORLD // 2, "sp_size": 2}
+    full = logged(trainer_for(build_model(), FP32, 4, "full_shard_sp"), "loss")
+    split_losses = logged(trainer_for(build_model(), split, 4, "sp"), "loss")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(split_losses, full))
+    return (len(full) == len(split_losses) == 4 and worst <= 1e-5,
+            f"llm sp 2 x dp_shard {WORLD // 2} vs full shard over {WORLD}: max relative loss difference {worst:.1e}, "
+            f"4 steps (tol 1e-5)")
+
+
 @check(20, "2 gloo ranks: the group count only (no device memory)", needs=("2 ranks",))
 def nccl_memory_per_communicator():
     import torch.distributed as dist
