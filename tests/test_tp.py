@@ -39,7 +39,8 @@ def launched(tmp_path_factory, launch_ranks):
     launch_ranks("mp_tp.py", str(out), processes=2, timeout=300, env_extra={"OMP_NUM_THREADS": "1"})
     return {"out": out, **{name: torch.load(out / f"{name}.pt", weights_only=True)
                            for name in [*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, "ragged",
-                                        "empty_init_tp2", "empty_init_ep2", "empty_init_sp2", "sp_ragged"]}}
+                                        "empty_init_tp2", "empty_init_ep2", "empty_init_sp2", "sp_ragged",
+                                        "sp_ragged_mqa"]}}
 
 
 @pytest.mark.parametrize("name", list(tp_scenarios.SCENARIOS))
@@ -200,11 +201,13 @@ def test_ragged_rows_cross_the_boundary_exactly(launched):
     assert not torch.equal(ranks[1]["sampled"], ranks[1]["greedy"])  # sampling drew other tokens than greedy
 
 
-def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(launched):
+@pytest.mark.parametrize("name", ["sp_ragged", "sp_ragged_mqa"])
+def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(launched, name):
     """Rank 0 runs 1 row of 7 tokens, rank 1 2 rows of 5 through one sp-2 Llama (padded to 8, each rank attending
-    over every position for 2 of the 4 heads): logits, the loss from shifted labels over Trainer's global count and
-    every gradient as one process's. Left padding on one rank and `generate`: every rank raises the same refusal."""
-    ranks = launched["sp_ragged"]
+    over every position for 2 of the 4 heads; `_mqa`: one key/value head, repeated for both ranks): logits, the loss
+    from shifted labels over Trainer's global count and every gradient as one process's. Left padding on one rank
+    and `generate`: every rank raises the same refusal."""
+    ranks = launched[name]
     assert [r["shape"] for r in ranks] == [(1, 7, 19), (2, 5, 19)]  # each rank its own rows, whole
     for r in ranks:
         assert r["logits"] < 1e-5 and r["loss"] < 1e-6 and r["params"] < 2e-7, r
@@ -236,6 +239,11 @@ def test_sequence_layout_refuses_what_it_cannot_split():
                                          num_attention_heads=3, num_key_value_heads=3))
     with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*3 attention heads.*Ulysses splits heads"):
         layouts_for("llm", sp)[0].check(three)
+    six = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=12, num_key_value_heads=3))
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*3 key/value heads.*4 ranks neither"):
+        layouts_for("llm", {"dp_shard_size": 1, "sp_size": 4})[0].check(six)
+    layouts_for("llm", {"dp_shard_size": 1, "sp_size": 3})[0].check(six)  # 3 divides 3: accepted
     vit = ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                              image_size=8, patch_size=4))
     vit.set_attn_implementation = None  # as a class that cannot set its attention implementation

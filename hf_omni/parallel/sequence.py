@@ -14,9 +14,12 @@ parallel ones.
   language model) take the wrapped attention and the boundary; the released forward runs the rest on whole rows
   (`lm_head`, its loss). Position ids of another shape than (rows, positions) (Qwen2.5-VL's 3-D rotary positions)
   are refused by name.
+- Key/value heads fewer than N (N a multiple of them, GQA / MQA): each repeated N / KV times before the exchange, as
+  DeepSpeed's Ulysses does (k and v then send N / KV times the bytes).
 - Refused by name: a module whose attention is not reached through the interface (a diffusers model, a class that
-  cannot set its attention implementation), attention or key/value heads that N does not divide, `tp_size` /
-  `ep_size` in the same module, `generate` and the module's other methods when called.
+  cannot set its attention implementation), attention heads that N does not divide, key/value heads that N neither
+  divides nor is a multiple of, `tp_size` / `ep_size` in the same module, `generate` and the module's other
+  methods when called.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..compat import attention_of, set_attention
@@ -67,13 +71,15 @@ class SequenceLayout(Layout):
         for root in attended:
             config = root.config
             text = getattr(config, "get_text_config", lambda: config)()
-            for key in ("num_attention_heads", "num_key_value_heads"):
-                heads = getattr(text, key, None)
-                if isinstance(heads, int) and heads % n:
-                    raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has {heads} "
-                                            f"{'key/value' if 'key' in key else 'attention'} heads ({key}), which {n} "
-                                            "ranks cannot split evenly (Ulysses splits heads): use an sp_size that "
-                                            "divides it")
+            heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+            if isinstance(heads, int) and heads % n:
+                raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has {heads} attention heads "
+                                        f"(num_attention_heads), which {n} ranks cannot split evenly (Ulysses splits "
+                                        "heads): use an sp_size that divides it")
+            if isinstance(kv, int) and kv % n and n % kv:
+                raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has {kv} key/value heads "
+                                        f"(num_key_value_heads): {n} ranks neither split them evenly nor hold whole "
+                                        "copies of them; use an sp_size that divides them or that they divide")
 
     def apply(self, module: nn.Module, mesh) -> None:
         self.roots = self.attended(module)
@@ -96,6 +102,10 @@ def ulysses(base: str, group):
     def attention(module, query, key, value, attention_mask, **kwargs):
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)  # the model's own
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
+        n = dist.get_world_size(group)
+        if key.shape[1] % n:  # fewer key/value heads than ranks (n a multiple of them): each repeated n / KV times,
+            key, value = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (key, value))  # DeepSpeed's way
+            module = Groups(module, query.shape[1] // n)  # one key/value head a rank: its queries share it
         q, k, v = (Swap.apply(t, group, 1, 2) for t in (query, key, value))  # (B, H / N, L, D)
         kwargs.pop("position_ids", None)  # this rank's positions: flash would read them as packed sequences
         mask = None
@@ -107,3 +117,15 @@ def ulysses(base: str, group):
         return Swap.apply(out, group, 1, 2), None  # (B, L / N, H, D)
 
     return attention
+
+
+class Groups:
+    """An attention module seen with another `num_key_value_groups` (query heads per key/value head on this rank),
+    for the attention functions that repeat key/value heads themselves."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+

@@ -97,19 +97,24 @@ def ragged(out_dir: str):
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
 
 
-def sp_ragged(out_dir: str):
+def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None):
     """A tiny Llama at sp 2 (FSDP2 over dp_shard 1 x sp 2) and its boundary: rank r runs r + 1 rows of its own length
     (7 and 5 tokens: padded to 8 and split in 4 + 4), labels with ignored positions, Trainer's global token count.
     Reference: the same model in this process on every rank's rows, objective the sum of the ranks' losses. Then a
-    left-padded attention mask on rank 1 alone: both ranks raise the same refusal; and `generate` is refused."""
+    left-padded attention mask on rank 1 alone: both ranks raise the same refusal; and `generate` is refused.
+    `kv_heads`: the Llama with that many key/value heads instead (1: MQA, repeated for the 2 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
 
     from hf_omni.compat import flatten_mesh
     from hf_omni.parallel.sequence import SequenceLayout
 
     torch.manual_seed(0)
     llm = tp_scenarios.tp_model().llm
+    if kv_heads is not None:
+        llm.config.num_key_value_heads = kv_heads
+        llm = LlamaForCausalLM(llm.config)
     reference = copy.deepcopy(llm)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "sp"))
@@ -144,7 +149,7 @@ def sp_ragged(out_dir: str):
             call()
         except OmniArgumentError as err:
             diffs[key] = str(err)
-    helpers.save_every_rank(diffs, os.path.join(out_dir, "sp_ragged.pt"))
+    helpers.save_every_rank(diffs, os.path.join(out_dir, f"{name}.pt"))
 
 
 def generated(llm, reference, rank: int) -> dict:
@@ -213,4 +218,5 @@ if __name__ == "__main__":
     if int(os.environ["WORLD_SIZE"]) == 2:
         ragged(sys.argv[1])
         sp_ragged(sys.argv[1])
+        sp_ragged(sys.argv[1], "sp_ragged_mqa", kv_heads=1)
     end_distributed()
