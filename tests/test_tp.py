@@ -215,6 +215,7 @@ def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(laun
     assert ranks[0]["left_padding"] == ranks[1]["left_padding"] and "left padding" in ranks[0]["left_padding"] and \
         "parallelism.sp_size" in ranks[0]["left_padding"]
     assert all("`generate` of a sequence-parallel module is not supported" in r["generate"] for r in ranks)
+    assert all("its loss is not transformers' causal-LM loss" in r["other_loss"] for r in ranks)
 
 
 @pytest.mark.parametrize("entry, match", [

@@ -8,7 +8,9 @@ rounded up to a multiple of N, and exchanged so that rank j holds positions [j L
 rows in rank order (`sequence_exchange.RowsToChunks`, one all-to-all per tensor). Position ids are the global ones
 (made where the call gives none); `labels` are shifted before the split and passed as `shift_labels` too, so a loss
 the module computes (transformers' `ForCausalLMLoss`) pairs each position with the next token even across chunks.
-The outputs with the group's rows and this rank's positions go back to their rows' ranks, the padding cut off.
+The outputs with the group's rows and this rank's positions go back to their rows' ranks, the padding cut off. A
+module given `labels` whose loss is not transformers' `ForCausalLMLoss` (which reads `shift_labels`) is refused by
+name: another loss would shift the shifted labels again.
 
 A loss from `labels` over a global count (`num_items_in_batch`, Trainer's token count over every rank) is a sum
 over the chunk's tokens: the ranks' losses add up to the group's, and FSDP2's average over the data and sequence
@@ -35,6 +37,7 @@ from .boundary import takes_use_cache
 from .sequence_exchange import ChunksToRows, RowsToChunks
 
 FIRST = ("inputs_embeds", "input_ids")
+CAUSAL_LOSS = "ForCausalLMLoss"  # the loss that reads `shift_labels` (transformers' `loss_utils`)
 PAD = {"labels": -100, "shift_labels": -100}  # other sequence tensors pad with 0 (position ids: continued)
 
 
@@ -63,6 +66,10 @@ class SequenceBoundary:
         if kwargs.get("use_cache") is None and takes_use_cache(module):
             kwargs["use_cache"] = False  # a cache of the group's rows' chunks is no rank's
         rows, lengths, padded = self._agree(kwargs)
+        if "labels" in padded and getattr(getattr(module, "loss_function", None), "__name__", "") != CAUSAL_LOSS:
+            raise self.refuse("it is given labels, but its loss is not transformers' causal-LM loss (ForCausalLMLoss, "
+                              "which takes the labels shifted before the split as shift_labels): compute the loss "
+                              "outside the module from its logits")
         chunks = {k: RowsToChunks.apply(v, self.group, rows, self.me) for k, v in padded.items()}
         if "labels" in chunks:
             chunks["shift_labels"] = chunks["labels"]

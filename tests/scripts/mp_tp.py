@@ -143,8 +143,16 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
     mask = torch.ones_like(ids[rank])
     if rank == 1:
         mask[:, 0] = 0  # left padding
+    def other_loss():
+        causal, llm.loss_type = llm.loss_type, "ForMaskedLM"  # a loss that shifts nothing: the labels would be wrong
+        try:
+            llm(input_ids=ids[rank], labels=labels[rank])
+        finally:
+            llm.loss_type = causal
+
     for key, call in (("left_padding", lambda: llm(input_ids=ids[rank], attention_mask=mask)),
-                      ("generate", lambda: llm.generate(input_ids=ids[rank], max_new_tokens=2))):
+                      ("generate", lambda: llm.generate(input_ids=ids[rank], max_new_tokens=2)),
+                      ("other_loss", other_loss)):
         try:
             call()
         except OmniArgumentError as err:
