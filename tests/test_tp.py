@@ -245,6 +245,12 @@ def test_sequence_layout_refuses_what_it_cannot_split():
     with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*3 key/value heads.*4 ranks neither"):
         layouts_for("llm", {"dp_shard_size": 1, "sp_size": 4})[0].check(six)
     layouts_for("llm", {"dp_shard_size": 1, "sp_size": 3})[0].check(six)  # 3 divides 3: accepted
+    from transformers import BertConfig, BertModel  # an encoder: padded positions would be attended
+
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*BertModel has bidirectional attention"):
+        layouts_for("llm", sp)[0].check(bert)
     vit = ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                              image_size=8, patch_size=4))
     vit.set_attn_implementation = None  # as a class that cannot set its attention implementation

@@ -17,9 +17,9 @@ parallel ones.
 - Key/value heads fewer than N (N a multiple of them, GQA / MQA): each repeated N / KV times before the exchange, as
   DeepSpeed's Ulysses does (k and v then send N / KV times the bytes).
 - Refused by name: a module whose attention is not reached through the interface (a diffusers model, a class that
-  cannot set its attention implementation), attention heads that N does not divide, key/value heads that N neither
-  divides nor is a multiple of, `tp_size` / `ep_size` in the same module, `generate` and the module's other
-  methods when called.
+  cannot set its attention implementation), bidirectional attention (padding would be attended), attention heads
+  that N does not divide, key/value heads that N neither divides nor is a multiple of, `tp_size` / `ep_size` in the
+  same module, `generate` and the module's other methods when called.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class SequenceLayout(Layout):
                                     "through transformers' attention interface: sequence parallelism cannot wrap it")
         n = self.size()
         for root in attended:
+            if any(getattr(m, "is_causal", True) is False for m in root.modules()):
+                raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has bidirectional attention: "
+                                        "the positions padded to the group's length would be attended (only causal "
+                                        "attention leaves right padding unread); not supported yet")
             config = root.config
             text = getattr(config, "get_text_config", lambda: config)()
             heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
