@@ -1,7 +1,7 @@
 """The GPU checklist: ordered checks of what only a CUDA / NCCL machine proves, one PASS / FAIL line each.
 
     torchrun --nproc_per_node 1 bench/gpu_check.py                # one GPU: checks 1-11 (world 1: modules wrapped)
-    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 13, 14
+    torchrun --nproc_per_node 2 bench/gpu_check.py                # 2 GPUs (or 2 gloo ranks on CPU): + 13-16
     torchrun --nproc_per_node 4 bench/gpu_check.py --only hsdp    # HSDP needs 4 ranks;  --list: the checks, not run
 
 A line: status, check, seconds, its figure. `PASS` / `FAIL` on CUDA; `PASS (cpu)` / `FAIL (cpu)` when it ran on
@@ -435,6 +435,55 @@ def sequence_parallel():
     return (len(full) == len(split_losses) == 4 and worst <= 1e-5,
             f"llm sp 2 x dp_shard {WORLD // 2} vs full shard over {WORLD}: max relative loss difference {worst:.1e}, "
             f"4 steps (tol 1e-5)")
+
+
+@check(30, "2 gloo ranks (diffusers' native attention on the CPU)", needs=("2 ranks",))
+def diffusers_sequence_parallel():
+    """A Wan video transformer (4 heads, 320 tokens) at `{dp_shard_size: world / 2, sp_size: 2}`: diffusers' own
+    Ulysses attention over NCCL, its native backend's CUDA kernels, each rank its own row; against the same model on
+    every rank's row in this process: outputs, and every weight's gradient (FSDP2's average over the ranks)."""
+    import torch.distributed as dist
+    from diffusers import WanTransformer3DModel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_omni.compat import flatten_mesh
+    from hf_omni.parallel.sequence import SequenceLayout
+
+    if not dist.is_initialized():
+        trainer_for(build_model(), FP32, 1, "groups")
+    device = torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
+                                  out_channels=16, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=2,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).to(device)
+    reference = copy.deepcopy(model)
+    sizes = {"dp_shard_size": WORLD // 2, "sp_size": 2}
+    mesh = init_device_mesh(device.type, (WORLD // 2, 2), mesh_dim_names=("dp_shard", "sp"))
+    layout = SequenceLayout("transformer", sizes)
+    layout.check(model)
+    layout.apply(model, mesh)
+    fully_shard(model, mesh=mesh[flatten_mesh(mesh, ("dp_shard", "sp"))])
+    layout.after_fsdp(model, mesh, ())
+
+    def row(rank: int):  # 5 latent frames of 16 x 16: 5 x 8 x 8 = 320 tokens
+        g = torch.Generator().manual_seed(rank)
+        return [v.to(device) for v in (torch.randn(1, 16, 5, 16, 16, generator=g), torch.rand(1, generator=g) * 1000,
+                                       torch.randn(1, 16, 32, generator=g))]
+
+    x, t, e = row(RANK)
+    out = model(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+    out.square().mean().backward()
+    outs = [reference(hidden_states=a, timestep=b, encoder_hidden_states=c, return_dict=False)[0]
+            for a, b, c in map(row, range(WORLD))]
+    (sum(o.square().mean() for o in outs) / WORLD).backward()
+    ref = dict(reference.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in reference.parameters())
+    worst_grad = max((p.grad.full_tensor() - ref[n].grad).abs().max().item() for n, p in model.named_parameters())
+    worst_out = (out - outs[RANK]).abs().max().item() / outs[RANK].abs().max().item()
+    return (worst_out <= 1e-4 and worst_grad <= 1e-4 * scale,
+            f"Wan transformer sp 2 x dp_shard {WORLD // 2}: output within {worst_out:.1e} (relative), gradients within "
+            f"{worst_grad / scale:.1e} of the largest (tol 1e-4 each)")
 
 
 @check(20, "2 gloo ranks: the group count only (no device memory)", needs=("2 ranks",))

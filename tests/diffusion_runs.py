@@ -13,7 +13,10 @@ import os
 import torch
 from torch.distributed.fsdp import FSDPModule
 from helpers import full_state, make_args, step_losses
-from tiny_pipelines import flux_loss, flux_pipeline, flux_rows, sample, sd_loss, sd_pipeline, sd_rows
+from tiny_pipelines import (
+    flux_loss, flux_modules, flux_pipeline, flux_rows, reference_train, sample, sd_loss, sd_modules, sd_pipeline,
+    sd_rows, wan_loss, wan_modules, wan_pipeline, wan_rows,
+)
 from transformers.utils import ModelOutput
 
 from hf_omni import OmniModel, OmniTrainer
@@ -34,6 +37,12 @@ class FluxModel(OmniModel):
                                           self.scheduler, batch))
 
 
+class WanModel(OmniModel):
+    def forward(self, video, input_ids, latent_noise, noise, sigmas):
+        batch = dict(video=video, input_ids=input_ids, latent_noise=latent_noise, noise=noise, sigmas=sigmas)
+        return ModelOutput(loss=wan_loss(self.transformer, self.vae, self.text_encoder, self.scheduler, batch))
+
+
 LORA = {"r": 4, "lora_alpha": 8, "init_lora_weights": "gaussian"}
 # SD: the UNet sharded, the text encoder replicated at its own learning rate, the VAE frozen
 SD = {"unet": {"learning_rate": 1e-3, "parallel": "fsdp"},
@@ -49,7 +58,13 @@ FLUX_LORA = {"transformer": {"learning_rate": 1e-2, "parallel": "fsdp",
              "text_encoder": {"learning_rate": 1e-2, "parallel": "ddp",
                               "lora": {**LORA, "target_modules": ["q_proj", "v_proj"]}},
              "text_encoder_2": {"trainable": False}, "vae": {"trainable": False}}
-KINDS = {"sd": (SDModel, sd_pipeline, sd_rows), "flux": (FluxModel, flux_pipeline, flux_rows)}
+# Wan: the video transformer sharded over the data and sequence ranks together, its sequence split over 2 ranks
+# (diffusers' own Ulysses attention); the text encoder and the VAE frozen
+WAN_SP = {"transformer": {"learning_rate": 1e-3, "parallel": "fsdp", "parallelism": {"sp_size": 2}},
+          "text_encoder": {"trainable": False}, "vae": {"trainable": False}}
+WAN_LRS = {"transformer": 1e-3}
+KINDS = {"sd": (SDModel, sd_pipeline, sd_rows), "flux": (FluxModel, flux_pipeline, flux_rows),
+         "wan": (WanModel, wan_pipeline, wan_rows)}
 STEPS, BATCH, ROWS = 4, 4, 16  # global batch 4: 4 rows at 1 process, 2 per rank at 2 ranks
 
 
@@ -85,8 +100,12 @@ def run(kind: str, out: str, modules: dict, batch: int, resume: bool = True) -> 
     """4 steps saved every 2, exported as a pipeline folder (`save_model`); the same run resumed from step 2.
     Every rank calls it; states are full tensors on every rank."""
     first = trainer(kind, os.path.join(out, "run"), modules, batch)
+    seen = []  # Wan: the tokens its second block runs on while sampling (its first splits the sequence on entry)
+    if kind == "wan":
+        first.model.transformer.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].shape)))
     first.train()
-    result = {"losses": step_losses(first), "state": full_state(first.model),
+    seen.clear()
+    result = {"losses": step_losses(first), "state": full_state(first.model), "tokens": seen,
               "sample": sample(first.model.to_pipeline()),  # every rank: the sharded modules sample together
               "units": {n: sorted({type(m).__name__.removeprefix("FSDP") for m in module.modules()
                                    if isinstance(m, FSDPModule)}) for n, module in first.model.omni_modules().items()}}
@@ -96,3 +115,22 @@ def run(kind: str, out: str, modules: dict, batch: int, resume: bool = True) -> 
         again.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
         result.update(resumed_losses=step_losses(again)[-2:], resumed_state=full_state(again.model))
     return result
+
+
+def reference(kind: str, steps: int = 4):
+    """diffusers' script loop on a fresh copy of the pipeline: (losses, the trained pipeline)."""
+    if kind == "sd":
+        pipe = sd_pipeline()
+        losses = reference_train(sd_modules(pipe), sd_loss, sd_rows(16), steps, 4, SD_LRS, list(SD_LRS))
+    elif kind == "wan":
+        pipe = wan_pipeline()
+        losses = reference_train(wan_modules(pipe), wan_loss, wan_rows(16), steps, 4, WAN_LRS, list(WAN_LRS))
+    else:
+        pipe = flux_pipeline()
+        losses = reference_train(flux_modules(pipe), flux_loss, flux_rows(16), steps, 4, FLUX_LRS, list(FLUX_LRS))
+    return losses, pipe.to("cpu")
+
+
+def pipeline_state(pipe) -> dict:
+    return {f"{n}.{k}": v for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)
+            for k, v in m.state_dict().items()}

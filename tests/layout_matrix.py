@@ -46,6 +46,7 @@ TESTED = {
         "missing modality": ("test_mesh_multiprocess.py", "missing_modality_sp"),
         "adopted model": ("test_adopted_multiprocess.py", "llava_sp2"),
         "loss from labels": ("test_tp.py", "dp2_sp2_labels"),
+        "diffusers denoiser": ("test_diffusion.py", "wan_sp2"),
     },
 }
 
@@ -55,10 +56,11 @@ def scenarios() -> set[str]:
     import adopted_experts
     import mesh_scenarios
     import tp_scenarios
-    from scripts import mp_adopted, mp_layouts_8
+    from scripts import mp_adopted, mp_diffusion, mp_layouts_8
 
     return {*tp_scenarios.SCENARIOS, *tp_scenarios.ELASTIC, *(f"empty_init_{n}" for n in ("tp2", "ep2", "sp2")),
-            *mesh_scenarios.SCENARIOS, *mp_layouts_8.LAYOUTS, *mp_adopted.CASES, *adopted_experts.FAMILIES}
+            *mesh_scenarios.SCENARIOS, *mp_layouts_8.LAYOUTS, *mp_adopted.CASES, *adopted_experts.FAMILIES,
+            *mp_diffusion.SCENARIOS}
 
 
 def cell(layout, feature: str) -> str:

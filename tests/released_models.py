@@ -113,7 +113,8 @@ class Rows(torch.utils.data.Dataset):
     """`n` rows of one image and 6 text tokens (labels: the text; -100 under the image tokens); `text_only`: every
     k-th row has no image (`modalities` says which rows do)."""
 
-    def __init__(self, family: str, model, n: int, seed: int = 0, text_only_every: int = 0, wide_every: int = 0):
+    def __init__(self, family: str, model, n: int, seed: int = 0, text_only_every: int = 0, wide_every: int = 0,
+                 mrope: bool = False):
         generator = torch.Generator().manual_seed(seed)
         vocab = model.config.get_text_config().vocab_size
         self.rows = []
@@ -128,6 +129,8 @@ class Rows(torch.utils.data.Dataset):
             assert max(prefix) < vocab
             row = {"input_ids": torch.tensor(prefix + text), "labels": torch.tensor([-100] * len(prefix) + text),
                    **image}
+            if mrope:  # Qwen2.5-VL's processor's token types (1: an image token): the model's 3-D rotary positions
+                row["mm_token_type_ids"] = (row["input_ids"] == model.config.image_token_id).long()
             self.rows.append(row)
         self.modalities = [["image"] if "pixel_values" in row else [] for row in self.rows]
 
@@ -148,11 +151,15 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     batch |= {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
               "labels": torch.full((len(rows), width), -100, dtype=torch.long),
               "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
+    if "mm_token_type_ids" in rows[0]:
+        batch["mm_token_type_ids"] = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         batch["input_ids"][i, width - n:] = row["input_ids"]
         batch["labels"][i, width - n:] = row["labels"]
         batch["attention_mask"][i, width - n:] = 1
+        if "mm_token_type_ids" in batch:
+            batch["mm_token_type_ids"][i, width - n:] = row["mm_token_type_ids"]
     return batch
 
 

@@ -24,6 +24,7 @@ KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "blip2": {"vision": "fsdp", "qformer": "fsdp", "llm": "fsdp"},
          "llava_tp2": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "llava_sp2": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
+         "qwen2_5_vl_sp2": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 
@@ -58,7 +59,7 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
         assert (exported(**collate([rows[i] for i in range(4)])).logits - single["logits"]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen2_5_vl", "llava", "llava_tp2", "llava_sp2"])
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "llava", "llava_tp2", "llava_sp2", "qwen2_5_vl_sp2"])
 def test_a_two_rank_checkpoint_resumes_at_one_process(results, tmp_path, case):
     """Elastic resume: the step-2 checkpoint the 2 ranks wrote (sharded and DDP modules), resumed by one process,
     ends where the uninterrupted one-process run ends."""

@@ -11,37 +11,18 @@ import sys
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, FluxPipeline, StableDiffusionPipeline, UNet2DConditionModel
-from diffusion_runs import FLUX, FLUX_LRS, SD, SD_LRS, model, run, trainer
+from diffusers import AutoencoderKL, FluxPipeline, StableDiffusionPipeline, UNet2DConditionModel, WanPipeline
+from diffusion_runs import FLUX, SD, WAN_SP, model, pipeline_state, reference, run, trainer
 from helpers import assert_state_close, full_state, step_losses
 from launching import launch, subprocess_env
-from tiny_pipelines import (
-    flux_loss, flux_modules, flux_pipeline, flux_rows, reference_train, sample, sd_loss, sd_modules, sd_pipeline,
-    sd_rows,
-)
+from tiny_pipelines import flux_pipeline, sample, sd_pipeline, wan_pipeline
 
 import hf_omni
 from hf_omni import OmniArgumentError, OmniModel, SampleImagesCallback
 from hf_omni.cli import export
 from hf_omni.files.format import format_of
 
-PIPELINES = {"sd": StableDiffusionPipeline, "flux": FluxPipeline}
-
-
-def reference(kind: str, steps: int = 4):
-    """diffusers' script loop on a fresh copy of the pipeline: (losses, the trained pipeline)."""
-    if kind == "sd":
-        pipe = sd_pipeline()
-        losses = reference_train(sd_modules(pipe), sd_loss, sd_rows(16), steps, 4, SD_LRS, list(SD_LRS))
-    else:
-        pipe = flux_pipeline()
-        losses = reference_train(flux_modules(pipe), flux_loss, flux_rows(16), steps, 4, FLUX_LRS, list(FLUX_LRS))
-    return losses, pipe.to("cpu")
-
-
-def pipeline_state(pipe) -> dict:
-    return {f"{n}.{k}": v for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)
-            for k, v in m.state_dict().items()}
+PIPELINES = {"sd": StableDiffusionPipeline, "flux": FluxPipeline, "wan": WanPipeline}
 
 
 def test_a_diffusers_model_is_a_module(tmp_path):
@@ -214,22 +195,29 @@ def test_flux_trains_as_the_diffusers_loop_and_logs_samples(tmp_path):
     assert [e.step for e in events.Images("samples")] == [2, 4]
 
 
-def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """tests/scripts/mp_diffusion.py's scenarios, one launch at 2 ranks: the folder of their results."""
+    out = tmp_path_factory.mktemp("mp_diffusion")
+    launch("mp_diffusion.py", str(out))
+    return out
+
+
+def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(two_ranks, tmp_path):
     """At 2 ranks (batch 2 each): SD (UNet FSDP, text encoder DDP at its own learning rate) and Flux (transformer
     FSDP) equal the loop; SD's 2-rank checkpoint resumes at 1 process; Flux with LoRA on the sharded transformer
     and the replicated CLIP encoder exports a merged pipeline and diffusers' LoRA file that load alike."""
-    launch("mp_diffusion.py", str(tmp_path))
     for kind in ("sd", "flux"):
         ref_losses, ref_pipe = reference(kind)
-        result = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
+        result = torch.load(two_ranks / f"{kind}.pt", weights_only=False)
         assert result["losses"] == pytest.approx(ref_losses, abs=1e-5), kind
         # Adam moves a weight by up to lr per step whatever its gradient's size: where a gradient is ~0, the other
         # summation order of two ranks moves it differently (seen: one UNet element 1.2e-5 off, the rest < 3e-6)
         assert_state_close(result["state"], pipeline_state(ref_pipe), atol=0.05 * 1e-3)
-        exported = sample(PIPELINES[kind].from_pretrained(tmp_path / kind / "export"))
+        exported = sample(PIPELINES[kind].from_pretrained(two_ranks / kind / "export"))
         assert torch.allclose(exported, result["sample"], atol=1e-5) and torch.allclose(exported, sample(ref_pipe),
                                                                                          atol=1e-5)
-    sd, flux = (torch.load(tmp_path / f"{kind}.pt", weights_only=False) for kind in ("sd", "flux"))
+    sd, flux = (torch.load(two_ranks / f"{kind}.pt", weights_only=False) for kind in ("sd", "flux"))
     # FSDP units: the denoiser's blocks (its `_no_split_modules`) and itself; the replicated encoder none
     assert sd["units"]["unet"] == ["BasicTransformerBlock", "CrossAttnUpBlock2D", "ResnetBlock2D",
                                    "UNet2DConditionModel", "UpBlock2D"] and sd["units"]["text_encoder"] == []
@@ -238,21 +226,78 @@ def test_two_ranks_equal_the_loop_resume_at_one_process_and_export_lora(tmp_path
     assert sd["resumed_losses"] == sd["losses"][-2:]
     assert all(torch.equal(sd["resumed_state"][k], v) for k, v in sd["state"].items())
     elastic = trainer("sd", str(tmp_path / "elastic"), SD, batch=4)  # the 2-rank checkpoint at 1 process
-    elastic.train(resume_from_checkpoint=str(tmp_path / "sd" / "run" / "checkpoint-2"))
+    elastic.train(resume_from_checkpoint=str(two_ranks / "sd" / "run" / "checkpoint-2"))
     assert step_losses(elastic)[-2:] == pytest.approx(sd["losses"][-2:], abs=1e-5)
     assert_state_close(full_state(elastic.model), sd["state"], atol=1e-5)
 
-    lora = torch.load(tmp_path / "flux_lora.pt", weights_only=False)
+    lora = torch.load(two_ranks / "flux_lora.pt", weights_only=False)
     assert lora["resumed_losses"] == lora["losses"][-2:]  # the adapters and their optimizer state come back
     assert all(torch.equal(lora["resumed_state"][k], v) for k, v in lora["state"].items())
     assert any(".lora_A." in k for k in lora["state"])
-    lora_export = tmp_path / "flux_lora" / "export"
+    lora_export = two_ranks / "flux_lora" / "export"
     merged = sample(FluxPipeline.from_pretrained(lora_export))
     base = flux_pipeline()
     before = sample(base)
     base.load_lora_weights(lora_export)
     assert torch.allclose(sample(base), merged, atol=1e-4)
     assert (merged - before).abs().max() > 1e-3  # the adapters trained
+
+
+def test_video_transformer_sequence_parallel_over_two_ranks_equals_the_loop(two_ranks, tmp_path):
+    """Wan at 2 ranks (batch 2 each): its video transformer's sequence split over both (diffusers' own Ulysses
+    attention, enabled behind hf_omni.compat) and its weights sharded over them, the T5 encoder and the VAE frozen.
+    Losses, weights and samples as the loop at 1 process on the same global batch; each rank's second block runs on
+    half of the 12 tokens of the group's rows; resumed bitwise; its checkpoint resumes at 1 process without sequence
+    parallelism; the export loads by WanPipeline alone and samples alike."""
+    ref_losses, ref_pipe = reference("wan")
+    got = torch.load(two_ranks / "wan_sp2.pt", weights_only=False)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert_state_close(got["state"], pipeline_state(ref_pipe), atol=1e-5)
+    assert got["units"]["transformer"] == ["WanTransformer3DModel", "WanTransformerBlock"]
+    # sampling: the pipeline's own calls (with and without the prompt) run the group's rows, 6 of 12 tokens a rank
+    assert got["tokens"] and {shape[1] for shape in got["tokens"]} == {6}
+    assert torch.allclose(got["sample"], sample(ref_pipe), atol=1e-5)
+    assert got["resumed_losses"] == got["losses"][-2:]
+    assert all(torch.equal(got["resumed_state"][k], v) for k, v in got["state"].items())
+    exported = sample(WanPipeline.from_pretrained(two_ranks / "wan_sp2" / "export"))
+    assert torch.allclose(exported, got["sample"], atol=1e-5)
+    one = {**WAN_SP, "transformer": {"learning_rate": 1e-3, "parallel": "fsdp"}}  # the same run at 1 process
+    elastic = trainer("wan", str(tmp_path / "elastic"), one, batch=4)
+    elastic.train(resume_from_checkpoint=str(two_ranks / "wan_sp2" / "run" / "checkpoint-2"))
+    assert step_losses(elastic)[-2:] == pytest.approx(got["losses"][-2:], rel=1e-5)
+    assert_state_close(full_state(elastic.model), got["state"], atol=1e-5)
+
+
+def test_video_sequence_boundary_on_ragged_rows_and_a_length_it_cannot_split(two_ranks):
+    """The boundary alone at sp 2 (tests/scripts/mp_diffusion.py `wan_ragged`): rank r runs r + 1 rows of its own;
+    its outputs, every weight's gradient (summed over the ranks, as FSDP2's reduction does) and the gradients of its
+    latents and text states as one process's on every rank's rows; 3 tokens on 2 ranks refused on both by name."""
+    got = torch.load(two_ranks / "wan_ragged.pt", weights_only=False)
+    for rank, r in enumerate(got):
+        assert r["shape"] == (rank + 1, 16, 3, 4, 4) and r["tokens"] == (3, 6, 24)  # the group's 3 rows, 6 tokens
+        assert r["output"] < 1e-5 and r["params"] < 1e-6 * r["grad_scale"] / 0.1  # summed partial gradients
+        assert r["latents"] < 1e-7 and r["text"] < 1e-7  # each rank's inputs: the group's gradients summed back
+        assert r["refused"].startswith("modules.transformer.parallelism.sp_size: its sequence at rope's output 0 "
+                                       "has 3 tokens, which 2 ranks cannot split evenly")
+
+
+def test_sequence_parallel_diffusers_models_are_checked_by_name():
+    """Heads that sp does not divide, an attention backend diffusers serves no context parallelism on, and a model
+    without a context-parallel plan (a UNet): refused by module and key before anything is split."""
+    from hf_omni.parallel.layout import layouts_for
+
+    wan = wan_pipeline().transformer  # 2 heads
+    with pytest.raises(OmniArgumentError, match=r"transformer.*parallelism\.sp_size.*2 attention heads.*Ulysses"):
+        layouts_for("transformer", {"sp_size": 4})[0].check(wan)
+    layouts_for("transformer", {"sp_size": 2})[0].check(wan)
+    wan.set_attention_backend("_native_math")
+    with pytest.raises(OmniArgumentError, match=r"transformer.*sp_size.*`_native_math` backend, on which diffusers "
+                                                r"serves no context parallelism"):
+        layouts_for("transformer", {"sp_size": 2})[0].check(wan)
+    with pytest.raises(OmniArgumentError, match=r"unet.*sp_size.*UNet2DConditionModel's attention is reached "
+                                                r"neither through transformers' attention interface nor through "
+                                                r"diffusers' context-parallel plan"):
+        layouts_for("unet", {"sp_size": 2})[0].check(sd_pipeline().unet)
 
 
 def test_lora_outside_the_pipelines_lora_file_is_refused_before_compute(tmp_path):

@@ -227,6 +227,24 @@ def test_sequence_parallelism_with_another_layout_is_refused(entry, match):
         mesh_shape("llm", entry, 4)
 
 
+def test_video_transformer_at_two_data_by_two_sequence_ranks_equals_one_process(launched):
+    """Wan's transformer sharded over dp_shard 2 x sp 2 (one row a rank; each sequence pair runs its two rows on 6 of
+    the 12 tokens each) against diffusers' script loop at 1 process on the same batch of 4: losses, weights, the
+    export loaded by WanPipeline alone and its sample."""
+    from diffusers import WanPipeline
+    from diffusion_runs import pipeline_state, reference
+    from tiny_pipelines import sample
+
+    ref_losses, ref_pipe = reference("wan")
+    got = torch.load(launched["out"] / "wan_dp2_sp2.pt", weights_only=False)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert_state_close(got["state"], pipeline_state(ref_pipe), atol=1e-5)
+    assert got["tokens"] and {shape[1] for shape in got["tokens"]} == {6}
+    assert torch.allclose(got["sample"], sample(ref_pipe), atol=1e-5)
+    exported = sample(WanPipeline.from_pretrained(launched["out"] / "wan_dp2_sp2" / "export"))
+    assert torch.allclose(exported, got["sample"], atol=1e-5)
+
+
 def test_sequence_layout_refuses_what_it_cannot_split():
     """Heads that sp does not divide; a module whose attention is not transformers' interface: refused by module and
     key before anything is split. An adopted model's module: its path holding attention takes it."""
@@ -254,8 +272,8 @@ def test_sequence_layout_refuses_what_it_cannot_split():
     vit = ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                              image_size=8, patch_size=4))
     vit.set_attn_implementation = None  # as a class that cannot set its attention implementation
-    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*not reached through transformers' "
-                                                r"attention interface"):
+    with pytest.raises(OmniArgumentError, match=r"llm.*parallelism\.sp_size.*reached neither through transformers' "
+                                                r"attention interface nor through diffusers' context-parallel plan"):
         layouts_for("llm", sp)[0].check(vit)
     adopted = OmniModel.from_model(BUILDERS["llava"](), modules=MODULES["llava"])  # its language model, not lm_head
     assert [type(r).__name__ for r in layouts_for("llm", sp)[0].attended(adopted.llm)] == ["LlamaModel"]

@@ -1,4 +1,4 @@
-"""Tiny, offline, seeded diffusion pipelines (Stable-Diffusion- and Flux-style) with reference training losses.
+"""Tiny, offline, seeded diffusion pipelines (Stable-Diffusion-, Flux- and Wan-style) with reference training losses.
 
 Why: the diffusion-pipeline support must be tested without the Hub. Every component is built from a config with
 seeded random weights, and both tokenizers are built in code (no vocab download). The loss functions follow
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers import (
-    AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-    StableDiffusionPipeline, UNet2DConditionModel,
+    AutoencoderKL, AutoencoderKLWan, DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+    FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel, WanPipeline, WanTransformer3DModel,
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
@@ -121,8 +121,38 @@ def flux_pipeline(seed: int = 0) -> FluxPipeline:
                         text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
 
 
+FRAMES, VIDEO = 9, 32  # Wan: 9 frames of 32 x 32 -> 3 latent frames of 4 x 4 (16 channels) -> 12 tokens of 2 x 2
+
+
+def wan_pipeline(seed: int = 0) -> WanPipeline:
+    """Wan-style video: a 3-D DiT (2 heads, 2 blocks) over (1, 2, 2) patches of the latents of a causal 3-D VAE
+    (4x temporal, 8x spatial), a T5 encoder, flow matching (diffusers' own tests' sizes, 32 x 32 frames)."""
+    tok = t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=HIDDEN, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    torch.manual_seed(seed + 2)
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(tok), d_model=HIDDEN, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )).eval()
+    return WanPipeline(tokenizer=tok, text_encoder=t5, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
+
+
 def sample(pipe, seed: int = 0, steps: int = 2) -> torch.Tensor:
-    """Two-step sample of "a cat" as a (1, 3, IMAGE, IMAGE) tensor in [0, 1]."""
+    """Two-step sample of "a cat" as a (1, 3, IMAGE, IMAGE) tensor in [0, 1] (Wan: (1, FRAMES, 3, VIDEO, VIDEO))."""
+    if isinstance(pipe, WanPipeline):
+        return pipe(prompt="a cat", negative_prompt="", num_inference_steps=steps, height=VIDEO, width=VIDEO,
+                    num_frames=FRAMES, max_sequence_length=MAX_LEN, output_type="pt",
+                    generator=torch.Generator().manual_seed(seed)).frames
     extra = {"max_sequence_length": MAX_LEN} if isinstance(pipe, FluxPipeline) else {}
     return pipe(prompt="a cat", num_inference_steps=steps, height=IMAGE, width=IMAGE, output_type="pt",
                 generator=torch.Generator().manual_seed(seed), **extra).images
@@ -182,6 +212,26 @@ def flux_loss(transformer, vae, text_encoder, text_encoder_2, scheduler, batch, 
     return ((pred.float() - (noise - x0).float()) ** 2).reshape(b, -1).mean(1).mean()
 
 
+def wan_loss(transformer, vae, text_encoder, scheduler, batch) -> torch.Tensor:
+    """Flow matching on Wan's normalised latents ((x - latents_mean) / latents_std, the inverse of the pipeline's
+    decode), its prompt embeddings (the T5 states, zero past each prompt's length, as `_get_t5_prompt_embeds`),
+    timestep = sigma * num_train_timesteps, target = noise - x0."""
+    dist = vae.encode(batch["video"]).latent_dist
+    x0 = dist.mean + dist.std * batch["latent_noise"]
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean, std = (torch.tensor(vae.config[k]).view(shape).to(x0) for k in ("latents_mean", "latents_std"))
+    x0 = (x0 - mean) / std
+    mask = batch["input_ids"] != 0  # T5's padding id
+    prompt_embeds = text_encoder(batch["input_ids"], attention_mask=mask.long()).last_hidden_state * mask[..., None]
+    sigmas = batch["sigmas"].to(x0.dtype).view(-1, 1, 1, 1, 1)
+    noise = batch["noise"]
+    noisy = (1.0 - sigmas) * x0 + sigmas * noise
+    timestep = sigmas.flatten() * scheduler.config.num_train_timesteps
+    pred = transformer(hidden_states=noisy, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                       return_dict=False)[0]
+    return ((pred.float() - (noise - x0).float()) ** 2).reshape(pred.shape[0], -1).mean(1).mean()
+
+
 def _ids(tok, text: str) -> torch.Tensor:  # padded to MAX_LEN like the pipelines do
     return tok(text, padding="max_length", max_length=MAX_LEN, truncation=True, return_tensors="pt").input_ids[0]
 
@@ -211,6 +261,21 @@ def flux_rows(n: int, seed: int = 0) -> list[dict]:
         r["input_ids_2"] = _ids(tok2, CAPTIONS[i % len(CAPTIONS)])
         r["sigmas"] = 0.02 + 0.96 * torch.rand((), generator=g)
     return rows
+
+
+def wan_rows(n: int, seed: int = 0) -> list[dict]:
+    """n rows: video (3, FRAMES, VIDEO, VIDEO) in [-1, 1], T5 input_ids (16,), latent_noise / noise (16, 3, 4, 4),
+    sigmas () uniform in [0.02, 0.98]."""
+    g, tok = torch.Generator().manual_seed(seed), t5_tokenizer()
+    latent = (16, (FRAMES - 1) // 4 + 1, VIDEO // 8, VIDEO // 8)
+    return [{"video": torch.rand(3, FRAMES, VIDEO, VIDEO, generator=g) * 2 - 1,
+             "input_ids": _ids(tok, CAPTIONS[i % len(CAPTIONS)]),
+             "latent_noise": torch.randn(*latent, generator=g), "noise": torch.randn(*latent, generator=g),
+             "sigmas": 0.02 + 0.96 * torch.rand((), generator=g)} for i in range(n)]
+
+
+def wan_modules(pipe) -> dict:
+    return {k: getattr(pipe, k) for k in ("transformer", "vae", "text_encoder", "scheduler")}
 
 
 def sd_modules(pipe) -> dict:  # the keyword arguments of sd_loss / flux_loss (less `batch`) from a pipeline

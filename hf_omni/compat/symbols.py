@@ -50,6 +50,15 @@ PRIVATE_SYMBOLS: list[tuple[str, str]] = [
     ("transformers", "transformers.distributed.tensor_parallel.apply_tensor_parallelism"),
     ("transformers", "transformers.PreTrainedModel._can_set_attn_implementation"),
     ("transformers", "transformers.PretrainedConfig._attn_implementation"),
+    ("torch", "torch.distributed.device_mesh.DeviceMesh._unflatten"),
+    ("diffusers", "diffusers.models.modeling_utils.ModelMixin._parallel_config"),
+    ("diffusers", "diffusers.models.modeling_utils.ModelMixin._cp_plan"),
+    ("diffusers", "diffusers.models.attention_dispatch._AttentionBackendRegistry._is_context_parallel_available"),
+    ("diffusers", "diffusers.models._modeling_parallel.ParallelConfig.setup"),
+    ("diffusers", "diffusers.hooks.context_parallel.apply_context_parallel"),
+    ("diffusers", "diffusers.hooks.context_parallel._get_submodule_by_name"),
+    ("diffusers", "diffusers.hooks.hooks.HookRegistry.check_if_exists_or_initialize"),
+    ("diffusers", "diffusers.hooks.hooks.ModelHook.post_forward"),
 ]
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import OmniArgumentError
+from .sequence_exchange import all_to_all_rows
 
 ROWS = ("inputs_embeds", "input_ids")  # what gives the rows where present (a (1, seq) position_ids does not)
 NO_ROWS, TOO_MANY = -2, -3  # what a rank sends in place of its rows when it cannot describe them
@@ -47,35 +48,50 @@ def _gather(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
 
 
 class GatherRows(torch.autograd.Function):
+    """Forward: the group's rows. Backward: this rank's rows of the gradient, times T (every rank holds the same
+    gradient: tensor parallelism), or, `partial`, the sum of every rank's gradient of them (each rank holds its part
+    of it: diffusers' context parallelism), one all-to-all."""
+
     @staticmethod
-    def forward(ctx, x, group, sizes, me):
+    def forward(ctx, x, group, sizes, me, partial=False):
         ctx.lo, ctx.hi, ctx.T = sum(sizes[:me]), sum(sizes[: me + 1]), len(sizes)
+        ctx.group, ctx.sizes, ctx.me, ctx.partial = group, sizes, me, partial
         return _gather(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.lo: ctx.hi] * ctx.T, None, None, None
+        if ctx.partial:
+            mine = ctx.sizes[ctx.me]
+            parts = all_to_all_rows(grad, [mine] * ctx.T, ctx.sizes, ctx.group)  # every rank's gradient of my rows
+            return parts.unflatten(0, (ctx.T, mine)).sum(0), None, None, None, None
+        return grad[ctx.lo: ctx.hi] * ctx.T, None, None, None, None
 
 
 class KeepRows(torch.autograd.Function):
+    """Forward: this rank's rows of the group's. Backward: every rank's row gradients gathered, over T (`partial`:
+    whole, each rank's backward then reaches its part of the module)."""
+
     @staticmethod
-    def forward(ctx, y, group, sizes, me):
-        ctx.group, ctx.sizes = group, sizes
+    def forward(ctx, y, group, sizes, me, partial=False):
+        ctx.group, ctx.sizes, ctx.partial = group, sizes, partial
         return y[sum(sizes[:me]): sum(sizes[: me + 1])].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.group, ctx.sizes) / len(ctx.sizes), None, None, None
+        grad = _gather(grad.contiguous(), ctx.group, ctx.sizes)
+        return (grad if ctx.partial else grad / len(ctx.sizes)), None, None, None, None
 
 
 class Boundary:
     """Hooks around a split module's forward and its input embeddings' (which a composed forward calls
     first): only the outermost call gathers (the module's own call of its embeddings runs on gathered rows)."""
 
-    def __init__(self, module_name: str, mesh, key: str, name: str):
+    def __init__(self, module_name: str, mesh, key: str, name: str, partial: bool = False):
         """`mesh`: the group's 1-D mesh; `key`: the setting errors name (the layout's `parallelism.<name>_size`);
-        `name`: the group's, in messages (`tensor-parallel`)."""
+        `name`: the group's, in messages (`tensor-parallel`); `partial`: each rank's backward gives its part of the
+        gradients (their sum over the group is the whole), not all of them (`GatherRows`)."""
         self.module_name, self.key, self.name, self.group = module_name, key, name, mesh.get_group()
+        self.partial = partial
         self.me, self.size = mesh.get_local_rank(), mesh.size()
         self.depth, self.sizes, self.summed = 0, None, False
 
@@ -120,7 +136,7 @@ class Boundary:
             raise self.refuse(f"the ranks of one {self.name} group call it with row inputs {keys} whose other "
                               "dims (or number) differ (pad them to one length across the group)")
         self.sizes = [int(other[0]) for other in every]
-        gathered = {k: GatherRows.apply(dict(named)[k], self.group, self.sizes, self.me) for k in keys}
+        gathered = {k: GatherRows.apply(dict(named)[k], self.group, self.sizes, self.me, self.partial) for k in keys}
         args = tuple(gathered.get(f"argument {i}", v) for i, v in enumerate(args))
         return args, {k: gathered.get(k, v) for k, v in kwargs.items()}
 
@@ -135,11 +151,12 @@ class Boundary:
             return value
         if isinstance(value, torch.Tensor):
             if value.ndim and value.shape[0] == sum(self.sizes):
-                return KeepRows.apply(value, self.group, self.sizes, self.me)
-            if value.ndim == 0:  # a loss over the group's rows: each rank's share (the module docstring)
+                return KeepRows.apply(value, self.group, self.sizes, self.me, self.partial)
+            if value.ndim == 0 and not self.partial:  # a loss over the group's rows: each rank's share (docstring)
                 return value / len(self.sizes) if self.summed else value
-            raise self.refuse(f"its {key} {tuple(value.shape)} is neither one row per input row nor a scalar: "
-                              "compute it outside the module from its own rows")
+            raise self.refuse(f"its {key} {tuple(value.shape)} is " + ("not one row per input row" if self.partial
+                              else "neither one row per input row nor a scalar") + ": compute it outside the module "
+                              "from its own rows")
         if isinstance(value, dict):  # ModelOutput too: its fields are its items
             for name in list(value.keys()):
                 value[name] = self._keep(value[name], name)

@@ -147,8 +147,9 @@ def both(first: str, second: str) -> str:
 
 NOT_SERVED = {  # fields of Accelerate's ParallelismConfig no layout serves yet, and why
     "cp_size": "context parallelism (ring attention) is not served per module yet: torch's `context_parallel` has "
-               "no CPU SDPA sharding rule (`aten._scaled_dot_product_flash_attention_for_cpu`), so it cannot be "
-               "tested here; use sp_size (Ulysses) for long sequences",
+               "no CPU SDPA sharding rule (`aten._scaled_dot_product_flash_attention_for_cpu`) and diffusers' ring "
+               "attention needs a backend that returns the log-sum-exp (its `native` one does not), so neither runs "
+               "where it can be tested; use sp_size (Ulysses) for long sequences, diffusers modules included",
 }
 
 

@@ -12,14 +12,16 @@ parallel ones.
   given the causal mask of the whole sequence; padding is on the right, `sequence_boundary.py`).
 - An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the paths holding attention (the
   language model) take the wrapped attention and the boundary; the released forward runs the rest on whole rows
-  (`lm_head`, its loss). Position ids of another shape than (rows, positions) (Qwen2.5-VL's 3-D rotary positions)
-  are refused by name.
+  (`lm_head`, its loss). Multimodal rotary positions (Qwen2.5-VL's (3, rows, positions)) are split as the rest.
 - Key/value heads fewer than N (N a multiple of them, GQA / MQA): each repeated N / KV times before the exchange, as
   DeepSpeed's Ulysses does (k and v then send N / KV times the bytes).
-- Refused by name: a module whose attention is not reached through the interface (a diffusers model, a class that
-  cannot set its attention implementation), bidirectional attention (padding would be attended), attention heads
-  that N does not divide, key/value heads that N neither divides nor is a multiple of, `tp_size` / `ep_size` in the
-  same module, `generate` and the module's other methods when called.
+- diffusers models through diffusers' own context parallelism (`sequence_diffusers.py`): the class's `_cp_plan`
+  splits the sequence after the patch embedding and gathers it at the output; its attention's Ulysses exchanges.
+- Refused by name: a module whose attention is reached neither way (a class that cannot set its attention
+  implementation, a diffusers model without a `_cp_plan`), bidirectional attention in a transformers module
+  (padding would be attended), attention heads that N does not divide, key/value heads that N neither divides nor
+  is a multiple of, `tp_size` / `ep_size` in the same module, `generate` and the module's other methods when
+  called.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from ..compat import attention_of, set_attention
 from ..core.errors import OmniArgumentError
 from ..modules.units import run_roots
+from . import sequence_diffusers
 from .boundary import refuse_methods
 from .layout import Layout, register_layout
 from .sequence_boundary import SequenceBoundary
@@ -48,13 +51,12 @@ class SequenceLayout(Layout):
     description = "sequence parallelism (Ulysses)"
     dim = "shard"  # FSDP2 shards over it with dp_shard: no weight is split
     excludes = ("tp_size", "ep_size")
+    diffusers = False  # a diffusers model (`sequence_diffusers.py`), set by `apply`
     lora_terms = "yes (no weight is split)"
     boundary = ("positions: the group's rows exchanged to each rank's 1 / N of the positions at the module's inputs, "
                 "outputs back to their rows (all-to-all both ways)")
     notes = {"tied embeddings": "n/a: it splits no weight; the embeddings are FSDP2's",
              "generate": "refused: a KV cache of the group's rows' chunks is no rank's; called, it raises by name",
-             "diffusers denoiser": "refused: a diffusers model's attention is not reached through transformers' "
-                                   "attention interface",
              "the other layout": "refused: tp_size or ep_size with sp_size in one module is refused by name"}
 
     def attended(self, module: nn.Module) -> list[nn.Module]:
@@ -63,11 +65,14 @@ class SequenceLayout(Layout):
         return [root for root in run_roots(module) if attention_of(root) is not None]
 
     def check(self, module: nn.Module) -> None:
+        n = self.size()
+        if sequence_diffusers.reached(module):
+            return sequence_diffusers.check(self.module_name, module, n, KEY)
         attended = self.attended(module)
         if not attended:
-            raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__}'s attention is not reached "
-                                    "through transformers' attention interface: sequence parallelism cannot wrap it")
-        n = self.size()
+            raise OmniArgumentError(self.module_name, KEY, f"{type(module).__name__}'s attention is reached neither "
+                                    "through transformers' attention interface nor through diffusers' context-"
+                                    "parallel plan (`_cp_plan`): sequence parallelism cannot split it")
         for root in attended:
             if any(getattr(m, "is_causal", True) is False for m in root.modules()):
                 raise OmniArgumentError(self.module_name, KEY, f"{type(root).__name__} has bidirectional attention: "
@@ -86,13 +91,19 @@ class SequenceLayout(Layout):
                                         "copies of them; use an sp_size that divides them or that they divide")
 
     def apply(self, module: nn.Module, mesh) -> None:
+        self.diffusers = sequence_diffusers.reached(module)
+        if self.diffusers:
+            return sequence_diffusers.apply(self.module_name, module, mesh[self.name], self.size(), KEY)
         self.roots = self.attended(module)
         for i, root in enumerate(self.roots):
             wrapped = ulysses(attention_of(root), mesh[self.name].get_group())
             set_attention(root, f"hf_omni_sp_{self.module_name}" + (f"_{i}" if i else ""), wrapped)
 
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
-        SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*self.roots)
+        if self.diffusers:
+            sequence_diffusers.install(self.module_name, module, mesh[self.name], KEY, GROUP)
+        else:
+            SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*self.roots)
         for root in run_roots(module):
             refuse_methods(self.module_name, root, methods, KEY, GROUP, served="`forward` (a KV cache of the "
                            "group's rows' chunks would be no rank's)")

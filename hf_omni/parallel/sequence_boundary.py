@@ -6,8 +6,9 @@ At the module's forward: each rank's sequence inputs (`input_ids` / `inputs_embe
 rows and positions: `attention_mask`, `labels`, `position_ids`, ...) are padded to the group's longest sequence,
 rounded up to a multiple of N, and exchanged so that rank j holds positions [j L / N, (j + 1) L / N) of the group's
 rows in rank order (`sequence_exchange.RowsToChunks`, one all-to-all per tensor). Position ids are the global ones
-(made where the call gives none); `labels` are shifted before the split and passed as `shift_labels` too, so a loss
-the module computes (transformers' `ForCausalLMLoss`) pairs each position with the next token even across chunks.
+(made where the call gives none; multimodal rotary positions, (axes, rows, positions), split along their
+positions); `labels` are shifted before the split and passed as `shift_labels` too, so a loss the module computes
+(transformers' `ForCausalLMLoss`) pairs each position with the next token even across chunks.
 The outputs with the group's rows and this rank's positions go back to their rows' ranks, the padding cut off. A
 module given `labels` whose loss is not transformers' `ForCausalLMLoss` (which reads `shift_labels`) is refused by
 name: another loss would shift the shifted labels again.
@@ -71,6 +72,8 @@ class SequenceBoundary:
                               "which takes the labels shifted before the split as shift_labels): compute the loss "
                               "outside the module from its logits")
         chunks = {k: RowsToChunks.apply(v, self.group, rows, self.me) for k, v in padded.items()}
+        if isinstance(kwargs.get("position_ids"), torch.Tensor) and kwargs["position_ids"].ndim == 3:
+            chunks["position_ids"] = chunks["position_ids"].permute(2, 0, 1)  # back to (axes, rows, positions)
         if "labels" in chunks:
             chunks["shift_labels"] = chunks["labels"]
             if kwargs.get("num_items_in_batch") is None:
@@ -109,11 +112,13 @@ class SequenceBoundary:
         for key, value in kwargs.items():
             if not isinstance(value, torch.Tensor) or value.ndim < 2 or key == "shift_labels":
                 continue
-            if key == "position_ids" and value.ndim > 2:
-                raise self.refuse(f"its position_ids {tuple(value.shape)} are not (rows, positions) (3-D rotary "
-                                  "positions): sequence parallelism cannot split them yet")
+            if key == "position_ids" and value.ndim == 3:  # (axes, rows, positions): multimodal rotary positions
+                value = value.permute(1, 2, 0)  # rows and positions first, as every other sequence tensor
+            elif key == "position_ids" and value.ndim > 3:
+                raise self.refuse(f"its position_ids {tuple(value.shape)} are neither (rows, positions) nor (axes, "
+                                  "rows, positions): sequence parallelism cannot split them")
             if key == "position_ids" and value.shape[0] == 1 and rows != 1:
-                value = value.expand(rows, -1)
+                value = value.expand(rows, *value.shape[1:])
             if tuple(value.shape[:2]) != (rows, n):
                 if value.shape[0] == rows:
                     raise self.refuse(f"its argument {key} {tuple(value.shape)} has one row per input row but not "
@@ -166,7 +171,8 @@ def pad(value: torch.Tensor, length: int, fill, continued: bool = False) -> torc
     if extra <= 0:
         return value
     if continued:
-        tail = value[:, -1:] + torch.arange(1, extra + 1, device=value.device)
+        steps = torch.arange(1, extra + 1, device=value.device).view(1, extra, *[1] * (value.ndim - 2))
+        tail = value[:, -1:] + steps
     else:
         tail = value.new_full((value.shape[0], extra, *value.shape[2:]), fill)
     return torch.cat([value, tail], dim=1)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
     """`all_to_all_single` on dim 0 (uneven splits allowed); bool through uint8 (gloo has no bool)."""
     flag = x.dtype == torch.bool
     x = x.to(torch.uint8) if flag else x
@@ -31,7 +31,7 @@ class RowsToChunks(torch.autograd.Function):
         ctx.group, ctx.rows, ctx.me = group, rows, me
         n = len(rows)
         chunks = x.unflatten(1, (n, x.shape[1] // n)).transpose(0, 1).flatten(0, 1)  # (N x B_me, L / N, ...)
-        return _all_to_all(chunks, rows, [rows[me]] * n, group)
+        return all_to_all_rows(chunks, rows, [rows[me]] * n, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -45,7 +45,7 @@ class ChunksToRows(torch.autograd.Function):
     def forward(ctx, x, group, rows, me):
         ctx.group, ctx.rows, ctx.me = group, rows, me
         n = len(rows)
-        mine = _all_to_all(x, [rows[me]] * n, rows, group)  # (N x B_me, L / N, ...), chunk-major
+        mine = all_to_all_rows(x, [rows[me]] * n, rows, group)  # (N x B_me, L / N, ...), chunk-major
         return mine.unflatten(0, (n, rows[me])).transpose(0, 1).flatten(1, 2)
 
     @staticmethod
@@ -62,7 +62,7 @@ class Swap(torch.autograd.Function):
         ctx.group, ctx.split, ctx.cat = group, split, cat
         n = dist.get_world_size(group)
         pieces = torch.stack(x.chunk(n, dim=split))  # (N, ...)
-        out = _all_to_all(pieces, [1] * n, [1] * n, group)
+        out = all_to_all_rows(pieces, [1] * n, [1] * n, group)
         return torch.cat(out.unbind(0), dim=cat)
 
     @staticmethod

@@ -71,6 +71,12 @@ CASES = {
                             "projector": {"learning_rate": 1e-2, "parallel": "ddp"},
                             "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
                                     "parallelism": {"dp_shard_size": 1, "sp_size": 2}}}, {}),
+    "qwen2_5_vl_sp2": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},  # Adam at 1e-2 moved
+                                      "projector": {"learning_rate": 1e-3, "parallel": "fsdp"},  # one ~0 gradient's
+                                      # weight 1.4e-5 off (the split's other summation order); the rest <= 1.6e-6
+                                      "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
+                                              "parallelism": {"dp_shard_size": 1, "sp_size": 2}}},
+                       dict(mrope=True)),  # the processor's token types: 3-D rotary positions through the split
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -87,7 +93,7 @@ def released_folder(out_dir: str, family: str) -> str:
     return folder
 
 
-ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows")
+ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows", "mrope")
 
 
 def case_rows(family: str, model, extra: dict) -> Rows:
@@ -95,7 +101,7 @@ def case_rows(family: str, model, extra: dict) -> Rows:
     tokens long (the widest image row's length: Qwen2.5-VL's loss on a text row depends on its left padding, so a
     rank's batch of these must pad as the one-process batch does)."""
     rows = Rows(family, model, 32, text_only_every=extra.get("text_only_every", 0),
-                wide_every=extra.get("wide_every", 0))
+                wide_every=extra.get("wide_every", 0), mrope=extra.get("mrope", False))
     for i in extra.get("text_only_rows", []):
         ids = torch.cat([torch.arange(2, 11), rows.rows[i]["input_ids"][-6:]])
         rows.rows[i] = {"input_ids": ids, "labels": ids.clone()}
@@ -168,6 +174,8 @@ def main(out_dir: str):
     READ = count_reads()
     results = {}
     for name, (family, modules, extra) in CASES.items():
+        if os.environ.get("MP_ADOPTED_ONLY") and name not in os.environ["MP_ADOPTED_ONLY"].split(","):
+            continue
         mine = run(out_dir, name, family, modules, extra, int(os.environ["WORLD_SIZE"]), resume=True)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {k: v for k, v in mine.items() if k != "state"} | {

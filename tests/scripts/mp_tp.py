@@ -5,7 +5,8 @@ weights of a run resumed from its checkpoint-2 (a model built from another seed)
 trained model's export (every rank its share of the llm's HF folder), OUT_DIR/<scenario>/checkpoint-2 its checkpoint.
 Then each tp_scenarios.ELASTIC resume for N ranks (OUT_DIR/<name>.pt). At 2 ranks also OUT_DIR/empty_init_<name>.pt
 (the tp2 and ep2 exports rebuilt with empty_init and trained at their layout) and OUT_DIR/ragged.pt: the boundary alone on ragged rows (rank r holds r + 1 rows) against one process, the largest
-differences of the loss, every parameter's gradient and the input gradients."""
+differences of the loss, every parameter's gradient and the input gradients. At 4 ranks also OUT_DIR/wan_dp2_sp2.pt:
+a video diffusion transformer at dp_shard 2 x sp 2 (`wan_dp2_sp2`)."""
 
 import copy
 import os
@@ -218,9 +219,24 @@ def empty_init(out_dir: str):
 EMPTY_INIT = [name for name in ("tp2", "ep2", "sp2") if name in tp_scenarios.SCENARIOS]
 
 
+def wan_dp2_sp2(out_dir: str):
+    """The tiny Wan pipeline (tests/diffusion_runs.py) with its video transformer sharded over 2 data x 2 sequence
+    ranks (diffusers' Ulysses attention over each pair), one row a rank: trained, exported, sampled."""
+    from diffusion_runs import WAN_SP, run
+
+    transformer = {**WAN_SP["transformer"], "parallelism": {"dp_shard_size": 2, "sp_size": 2}}
+    result = run("wan", os.path.join(out_dir, "wan_dp2_sp2"), {**WAN_SP, "transformer": transformer}, batch=1,
+                 resume=False)
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out_dir, "wan_dp2_sp2.pt"))
+    dist.barrier()
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
     elastic(sys.argv[1])
+    if int(os.environ["WORLD_SIZE"]) == 4:
+        wan_dp2_sp2(sys.argv[1])
     if int(os.environ["WORLD_SIZE"]) == 2:
         empty_init(sys.argv[1])
     if int(os.environ["WORLD_SIZE"]) == 2:
