@@ -107,6 +107,8 @@ def run(kind: str, out: str, modules: dict, batch: int, resume: bool = True) -> 
     seen.clear()
     result = {"losses": step_losses(first), "state": full_state(first.model), "tokens": seen,
               "sample": sample(first.model.to_pipeline()),  # every rank: the sharded modules sample together
+              "checkpointing": {n: bool(getattr(m, "gradient_checkpointing", False))
+                                for n, m in first.model.omni_modules().items()},
               "units": {n: sorted({type(m).__name__.removeprefix("FSDP") for m in module.modules()
                                    if isinstance(m, FSDPModule)}) for n, module in first.model.omni_modules().items()}}
     first.save_model(os.path.join(out, "export"))

@@ -205,15 +205,19 @@ def test_ragged_rows_cross_the_boundary_exactly(launched):
 def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(launched, name):
     """Rank 0 runs 1 row of 7 tokens, rank 1 2 rows of 5 through one sp-2 Llama (padded to 8, each rank attending
     over every position for 2 of the 4 heads; `_mqa`: one key/value head, repeated for both ranks): logits, the loss
-    from shifted labels over Trainer's global count and every gradient as one process's. Left padding on one rank
-    and `generate`: every rank raises the same refusal."""
+    from shifted labels over Trainer's global count and every gradient as one process's. Rank 1's rows left-padded:
+    logits at the tokens and the loss as one process's with the mask. A hole between tokens on one rank and
+    `generate`, and a label on a left-padded row's first token: every rank raises the same refusal."""
     ranks = launched[name]
     assert [r["shape"] for r in ranks] == [(1, 7, 19), (2, 5, 19)]  # each rank its own rows, whole
     for r in ranks:
         assert r["logits"] < 1e-5 and r["loss"] < 1e-6 and r["params"] < 2e-7, r
         assert r["grad_scale"] > 1e-4
-    assert ranks[0]["left_padding"] == ranks[1]["left_padding"] and "left padding" in ranks[0]["left_padding"] and \
-        "parallelism.sp_size" in ranks[0]["left_padding"]
+    for r in ranks:
+        assert r["left_padded_logits"] < 1e-5 and r["left_padded_loss"] < 1e-6, r
+    assert ranks[0]["hole"] == ranks[1]["hole"] and "a hole between tokens" in ranks[0]["hole"] and \
+        "parallelism.sp_size" in ranks[0]["hole"]
+    assert ranks[0]["first_label"] == ranks[1]["first_label"] and "a label on its first token" in ranks[0]["first_label"]
     assert all("`generate` of a sequence-parallel module is not supported" in r["generate"] for r in ranks)
     assert all("its loss is not transformers' causal-LM loss" in r["other_loss"] for r in ranks)
 
@@ -229,8 +233,8 @@ def test_sequence_parallelism_with_another_layout_is_refused(entry, match):
 
 def test_video_transformer_at_two_data_by_two_sequence_ranks_equals_one_process(launched):
     """Wan's transformer sharded over dp_shard 2 x sp 2 (one row a rank; each sequence pair runs its two rows on 6 of
-    the 12 tokens each) against diffusers' script loop at 1 process on the same batch of 4: losses, weights, the
-    export loaded by WanPipeline alone and its sample."""
+    the 12 tokens each), its blocks checkpointed, against diffusers' script loop at 1 process on the same batch of 4:
+    losses, weights, the export loaded by WanPipeline alone and its sample."""
     from diffusers import WanPipeline
     from diffusion_runs import pipeline_state, reference
     from tiny_pipelines import sample
@@ -240,6 +244,7 @@ def test_video_transformer_at_two_data_by_two_sequence_ranks_equals_one_process(
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert_state_close(got["state"], pipeline_state(ref_pipe), atol=1e-5)
     assert got["tokens"] and {shape[1] for shape in got["tokens"]} == {6}
+    assert got["checkpointing"] == {"transformer": True, "text_encoder": False, "vae": False}
     assert torch.allclose(got["sample"], sample(ref_pipe), atol=1e-5)
     exported = sample(WanPipeline.from_pretrained(launched["out"] / "wan_dp2_sp2" / "export"))
     assert torch.allclose(exported, got["sample"], atol=1e-5)

@@ -9,7 +9,8 @@ parallel ones.
   name of the module's own (`AttentionInterface.register`) wraps the one the module was configured with (sdpa, eager,
   flash) and is set with the model's `set_attn_implementation`; no model code is edited. Under that name
   transformers builds no mask (none is needed: sdpa and flash take `is_causal` over the whole sequence, eager is
-  given the causal mask of the whole sequence; padding is on the right, `sequence_boundary.py`).
+  given the causal mask of the whole sequence; padding is on the right, left padding turned so:
+  `sequence_boundary.py`).
 - An adopted model's module (LLaVA's `["model.language_model", "lm_head"]`): the paths holding attention (the
   language model) take the wrapped attention and the boundary; the released forward runs the rest on whole rows
   (`lm_head`, its loss). Multimodal rotary positions (Qwen2.5-VL's (3, rows, positions)) are split as the rest.

@@ -19,10 +19,13 @@ ranks gives one process's gradients. Without it, the module is given the group's
 each rank reports N x (its chunk's sum) / (the group's count), whose mean over the group is the group's mean (one
 process's when every rank holds as many label tokens), with no chunk dividing by zero labels.
 
-Right padding only (what a causal LM's collator gives): a padded position never reaches an earlier one through causal
-attention, and its outputs are cut off. An `attention_mask` with a 0 before a 1 (left padding, packed holes) is
-refused by name on every rank of the group. Row counts and lengths are read to the host once per call (the
-exchange's split sizes).
+Padding: on the right, a padded position never reaches an earlier one through causal attention, and its outputs
+are cut off. Left padding (an `attention_mask` of zeros, then ones) is turned into right padding: each row is rotated
+so its tokens come first, its position ids (given, or one process's 0 .. n - 1, pads counted) rotated with it, and
+its outputs rotated back; each token then attends the same tokens at the same positions as in one process, whose
+mask hides the pads. Refused by name on every rank of the group: an `attention_mask` with a hole between tokens
+(packed sequences), and a label on a left-padded row's first token (one process would predict it from a pad). Row
+counts and lengths are read to the host once per call (the exchange's split sizes).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class SequenceBoundary:
         kwargs = as_keywords(module, args, kwargs)
         if kwargs.get("use_cache") is None and takes_use_cache(module):
             kwargs["use_cache"] = False  # a cache of the group's rows' chunks is no rank's
-        rows, lengths, padded = self._agree(kwargs)
+        rows, lengths, lead, padded = self._agree(kwargs)
         if "labels" in padded and getattr(getattr(module, "loss_function", None), "__name__", "") != CAUSAL_LOSS:
             raise self.refuse("it is given labels, but its loss is not transformers' causal-LM loss (ForCausalLMLoss, "
                               "which takes the labels shifted before the split as shift_labels): compute the loss "
@@ -80,19 +83,30 @@ class SequenceBoundary:
                 count = (chunks["labels"] != -100).sum().float()
                 dist.all_reduce(count, group=self.group)
                 kwargs["num_items_in_batch"] = count / self.size
-        self.state = (rows, lengths)
+        self.state = (rows, lengths, lead)
         return (), {**kwargs, **chunks}
 
-    def _agree(self, kwargs: dict) -> tuple[list[int], list[int], dict]:
-        """Every rank's row count and length (one all-gather), then this rank's sequence tensors padded to the
-        group's length (a multiple of N), labels shifted, position ids made."""
+    def _agree(self, kwargs: dict) -> tuple[list[int], list[int], torch.Tensor | None, dict]:
+        """Every rank's row count and length (one all-gather), then this rank's sequence tensors turned so that each
+        row's left padding follows its tokens (`lead`: each row's left padding), padded to the group's length (a
+        multiple of N), labels shifted, position ids made."""
         first = next((kwargs[k] for k in FIRST if isinstance(kwargs.get(k), torch.Tensor)), None)
         b, n = (first.shape[0], first.shape[1]) if first is not None and first.ndim >= 2 else (-1, -1)
         mask = kwargs.get("attention_mask")
-        holes = bool_holes(mask) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else torch.zeros((), dtype=bool)
+        lead, holes, first_label = None, torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.bool)
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and tuple(mask.shape) == (b, n):
+            lead = (mask.long().cumsum(1) == 0).sum(1)  # on the device: no host read
+            holes = bool_holes(turn(mask, lead))
+            labels = kwargs.get("labels")
+            if isinstance(labels, torch.Tensor) and tuple(labels.shape[:2]) == (b, n):  # one process predicts a
+                first = labels.gather(1, lead.clamp(max=n - 1)[:, None].to(labels.device))[:, 0]  # padded row's
+                first_label = ((lead > 0) & (lead < n) & (first.to(lead.device) != -100)).any()  # first from a pad
+            if not isinstance(kwargs.get("position_ids"), torch.Tensor):  # one process's: 0 .. n - 1, pads counted
+                kwargs = {**kwargs, "position_ids": torch.arange(n, device=mask.device).expand(b, -1)}
         device = first.device if first is not None else torch.device("cpu")
-        meta = torch.tensor([b, n, 0, int(isinstance(kwargs.get("labels"), torch.Tensor))], device=device)
+        meta = torch.tensor([b, n, 0, int(isinstance(kwargs.get("labels"), torch.Tensor)), 0], device=device)
         meta[2] = holes.to(device=device, dtype=meta.dtype)  # on the device: read with the rest, below
+        meta[4] = first_label.to(device=device, dtype=meta.dtype)
         every = [torch.empty_like(meta) for _ in range(self.size)]
         dist.all_gather(every, meta, group=self.group)
         table = torch.stack(every).tolist()  # the one host read of the call
@@ -100,14 +114,17 @@ class SequenceBoundary:
             raise self.refuse(f"rank {[r[0] for r in table].index(-1)} of its sequence-parallel group called it "
                               "without input_ids / inputs_embeds of (rows, positions)")
         if any(r[2] for r in table):
-            raise self.refuse("an attention_mask with padding before a token (left padding) reached it: sequence "
-                              "parallelism serves right padding only; pad on the right")
+            raise self.refuse("an attention_mask with a hole between tokens (packed sequences) reached it: sequence "
+                              "parallelism serves left and right padding only")
+        if any(r[4] for r in table):
+            raise self.refuse("a left-padded row has a label on its first token, which one process would predict "
+                              "from a padding position: set that label to -100 (a first token is never predicted)")
         if len({r[3] for r in table}) > 1:
             raise self.refuse("some ranks of its sequence-parallel group pass labels and others do not")
         length = -(-max(r[1] for r in table) // self.size) * self.size
-        return [r[0] for r in table], [r[1] for r in table], self._padded(kwargs, b, n, length)
+        return [r[0] for r in table], [r[1] for r in table], lead, self._padded(kwargs, b, n, length, lead)
 
-    def _padded(self, kwargs: dict, rows: int, n: int, length: int) -> dict:
+    def _padded(self, kwargs: dict, rows: int, n: int, length: int, lead: torch.Tensor | None) -> dict:
         out = {}
         for key, value in kwargs.items():
             if not isinstance(value, torch.Tensor) or value.ndim < 2 or key == "shift_labels":
@@ -124,6 +141,8 @@ class SequenceBoundary:
                     raise self.refuse(f"its argument {key} {tuple(value.shape)} has one row per input row but not "
                                       f"one entry per position ({n}): sequence parallelism cannot split it")
                 continue
+            if lead is not None:  # each row's tokens first, its left padding after them (right padding)
+                value = turn(value, lead)
             if key == "labels":  # shifted before the split: position t's label is token t + 1
                 value = torch.cat([value[:, 1:], value.new_full((rows, 1), -100)], dim=1)
             out[key] = pad(value, length, PAD.get(key, 0), continued=key == "position_ids")
@@ -139,12 +158,13 @@ class SequenceBoundary:
             self.depth -= 1
 
     def _back(self, value, key: str):
-        rows, lengths = self.state
+        rows, lengths, lead = self.state
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, torch.Tensor):
             if value.ndim >= 2 and value.shape[0] == sum(rows):
-                return ChunksToRows.apply(value, self.group, rows, self.me)[:, : lengths[self.me]]
+                mine = ChunksToRows.apply(value, self.group, rows, self.me)[:, : lengths[self.me]]
+                return mine if lead is None else turn(mine, lead, back=True)  # the left padding in front again
             if value.ndim == 0:  # a loss: each rank's share (the module docstring)
                 return value
             raise self.refuse(f"its {key} {tuple(value.shape)} is neither per row and position nor a scalar: compute "
@@ -157,6 +177,14 @@ class SequenceBoundary:
             return type(value)(self._back(v, f"{key}[{i}]") for i, v in enumerate(value))
         raise self.refuse(f"its {key} is a {type(value).__name__}, which the sequence-parallel boundary cannot send "
                           "back to its rows (a cache: pass use_cache=False)")
+
+
+def turn(value: torch.Tensor, lead: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """Each row of `value` (rows, n, ...) rotated left by its `lead` positions (`back`: right), on the device."""
+    n = value.shape[1]
+    shift = -lead if back else lead
+    index = (torch.arange(n, device=value.device)[None] + shift[:, None].to(value.device)) % n
+    return value.gather(1, index.view(*index.shape, *[1] * (value.ndim - 2)).expand_as(value))
 
 
 def bool_holes(mask: torch.Tensor) -> torch.Tensor:

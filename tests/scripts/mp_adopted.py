@@ -76,7 +76,8 @@ CASES = {
                                       # weight 1.4e-5 off (the split's other summation order); the rest <= 1.6e-6
                                       "llm": {"learning_rate": 1e-3, "parallel": "fsdp",
                                               "parallelism": {"dp_shard_size": 1, "sp_size": 2}}},
-                       dict(mrope=True)),  # the processor's token types: 3-D rotary positions through the split
+                       dict(mrope=True, wide_every=3)),  # the processor's token types: 3-D rotary positions;
+    # every third image twice as wide: rows of other lengths on each rank, left-padded by the collator
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -147,8 +148,15 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
     result["export_read"] = READ["bytes"] - before_export  # an offline module is read back by the main process only
     model.eval()
     with torch.no_grad():
-        result["logits"] = model(**trainer.data_collator([trainer.train_dataset[i] for i in range(4)])).logits
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+        result["logits"] = tokens_only(model(**batch).logits, batch)
     return result
+
+
+def tokens_only(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The logits at the tokens, zero at the collator's (left) padding: a padding position's output is no token's
+    (sequence parallelism computes it after the tokens, one process under a mask that hides every key)."""
+    return logits * batch["attention_mask"][..., None]
 
 
 def lacking(out_dir: str) -> str | None:

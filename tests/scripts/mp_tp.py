@@ -101,8 +101,9 @@ def ragged(out_dir: str):
 def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None):
     """A tiny Llama at sp 2 (FSDP2 over dp_shard 1 x sp 2) and its boundary: rank r runs r + 1 rows of its own length
     (7 and 5 tokens: padded to 8 and split in 4 + 4), labels with ignored positions, Trainer's global token count.
-    Reference: the same model in this process on every rank's rows, objective the sum of the ranks' losses. Then a
-    left-padded attention mask on rank 1 alone: both ranks raise the same refusal; and `generate` is refused.
+    Reference: the same model in this process on every rank's rows, objective the sum of the ranks' losses. Then
+    rank 1's rows left-padded (logits and loss as one process's with the mask); a mask with a hole between tokens on
+    rank 1 alone: both ranks raise the same refusal; and `generate` is refused.
     `kv_heads`: the Llama with that many key/value heads instead (1: MQA, repeated for the 2 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -141,9 +142,23 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
              "loss": abs(total.item() - sum(r.loss.item() for r in refs)),
              "params": max((grads[n] - ref[n].grad).abs().max().item() for n in grads),
              "grad_scale": ref["model.norm.weight"].grad.abs().max().item()}
+    # left padding on rank 1 (its rows' first 2 positions), its labels there ignored: as one process with the mask
+    masks = [torch.ones_like(i) for i in ids]
+    masks[1][:, :2] = 0
+    padded = [lab.masked_fill(m == 0, -100) for lab, m in zip(labels, masks)]
+    predicted = [lab.clone() for lab in padded]  # the first token's label kept: refused (one process would predict
+    padded[1][:, 2] = -100                        # it from a pad)
+    count = torch.tensor(sum(int((lab[:, 1:] != -100).sum()) for lab in padded))
+    out = llm(input_ids=ids[rank], attention_mask=masks[rank], labels=padded[rank], num_items_in_batch=count)
+    refs = [reference(input_ids=i, attention_mask=m, labels=lab, num_items_in_batch=count)
+            for i, m, lab in zip(ids, masks, padded)]
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    diffs["left_padded_logits"] = (out.logits - refs[rank].logits)[masks[rank].bool()].abs().max().item()
+    diffs["left_padded_loss"] = abs(total.item() - sum(r.loss.item() for r in refs))
     mask = torch.ones_like(ids[rank])
     if rank == 1:
-        mask[:, 0] = 0  # left padding
+        mask[:, 1] = 0  # a hole between tokens (packed sequences)
     def other_loss():
         causal, llm.loss_type = llm.loss_type, "ForMaskedLM"  # a loss that shifts nothing: the labels would be wrong
         try:
@@ -151,7 +166,9 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
         finally:
             llm.loss_type = causal
 
-    for key, call in (("left_padding", lambda: llm(input_ids=ids[rank], attention_mask=mask)),
+    for key, call in (("hole", lambda: llm(input_ids=ids[rank], attention_mask=mask)),
+                      ("first_label", lambda: llm(input_ids=ids[rank], attention_mask=masks[rank],
+                                                  labels=predicted[rank])),
                       ("generate", lambda: llm.generate(input_ids=ids[rank], max_new_tokens=2)),
                       ("other_loss", other_loss)):
         try:
@@ -221,10 +238,12 @@ EMPTY_INIT = [name for name in ("tp2", "ep2", "sp2") if name in tp_scenarios.SCE
 
 def wan_dp2_sp2(out_dir: str):
     """The tiny Wan pipeline (tests/diffusion_runs.py) with its video transformer sharded over 2 data x 2 sequence
-    ranks (diffusers' Ulysses attention over each pair), one row a rank: trained, exported, sampled."""
+    ranks (diffusers' Ulysses attention over each pair) and its blocks checkpointed, one row a rank: trained,
+    exported, sampled."""
     from diffusion_runs import WAN_SP, run
 
-    transformer = {**WAN_SP["transformer"], "parallelism": {"dp_shard_size": 2, "sp_size": 2}}
+    transformer = {**WAN_SP["transformer"], "parallelism": {"dp_shard_size": 2, "sp_size": 2},
+                   "activation_checkpointing": True}  # diffusers' own: each block recomputed, split again
     result = run("wan", os.path.join(out_dir, "wan_dp2_sp2"), {**WAN_SP, "transformer": transformer}, batch=1,
                  resume=False)
     if dist.get_rank() == 0:
