@@ -9,7 +9,9 @@ group runs N sequences, each rank 1 / N of each: its bytes per sequence are 1 / 
 all-to-alls send to other ranks in one step (forward and backward; `dist.all_to_all_single` wrapped) against the
 theory (`theory`); the median step time (forward + backward, 3 steps after one warm-up); and the longest sequence
 that fits the per-rank bytes sp 1 saves at 1k tokens (saved bytes are linear in the length: CPU sdpa's flash kernel
-keeps no L x L matrix), sp N against sp 1.
+keeps no L x L matrix), sp N against sp 1. Then a Wan video transformer (hidden 128, 8 heads, 2 blocks) through
+diffusers' own context parallelism at the same layouts, 1024 and 4096 latent tokens: saved bytes, step time and
+the longest sequence (its all-to-alls are diffusers' functional collectives, not counted here).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ WORLD = 4
 SIZES, LENGTHS = (1, 2, 4), (1024, 4096)
 SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=8192)
+
+
+DIT_FRAMES = (4, 16)  # latent frames of 32 x 32, patches of 1 x 2 x 2: 1024 and 4096 tokens
+DIT = dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=16, in_channels=16, out_channels=16,
+           text_dim=32, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+           rope_max_seq_len=1024)
 
 
 def theory(sp: int, length: int) -> float:
@@ -98,11 +106,79 @@ def worker() -> None:
                 saved = sum(storages.values())
             rows.append((sp, length, saved, sent[0], statistics.median(times[1:])))
             del llm
-    every = [None] * WORLD
+    video = dit_rows(rank)
+    every, videos = [None] * WORLD, [None] * WORLD
     dist.all_gather_object(every, rows)
+    dist.all_gather_object(videos, video)
     if rank == 0:
         report(every)
+        report_dit(videos)
     dist.destroy_process_group()
+
+
+def dit_rows(rank: int) -> list:
+    """A Wan video transformer through diffusers' own context parallelism: its saved bytes and step time at sp 1 / 2
+    / 4 (one row per rank; the loss outside the module, on the rank's own rows), latents of FRAMES x 32 x 32."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_omni.compat import flatten_mesh
+    from hf_omni.parallel.sequence import SequenceLayout
+
+    rows = []
+    for sp in SIZES:
+        for frames in DIT_FRAMES:
+            torch.manual_seed(0)
+            model = WanTransformer3DModel(**DIT)
+            mesh = init_device_mesh("cpu", (WORLD // sp, sp), mesh_dim_names=("dp_shard", "sp"))
+            layout = SequenceLayout("transformer", {"dp_shard_size": WORLD // sp, "sp_size": sp}) if sp > 1 else None
+            if layout is not None:
+                layout.check(model)
+                layout.apply(model, mesh)
+            fully_shard(model, mesh=mesh[flatten_mesh(mesh, ("dp_shard", "sp"))])
+            if layout is not None:
+                layout.after_fsdp(model, mesh, ())
+            g = torch.Generator().manual_seed(rank)
+            x, e = torch.randn(1, 16, frames, 32, 32, generator=g), torch.randn(1, 16, DIT["text_dim"], generator=g)
+            t = torch.rand(1, generator=g) * 1000
+            times, saved = [], 0
+            for step in range(4):
+                storages = {}
+
+                def pack(tensor):
+                    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                    return tensor
+
+                start = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    out = model(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+                out.square().mean().backward()
+                times.append(time.perf_counter() - start)
+                saved = sum(storages.values())
+            rows.append((sp, frames * 16 * 16, saved, statistics.median(times[1:])))
+            del model
+    return rows
+
+
+def report_dit(every: list) -> None:
+    base = {tokens: r[2] for r in every[0] for tokens in [r[1]] if r[0] == 1}
+    print()
+    print("| layout | tokens | saved MiB / rank (max) | per sequence vs sp 1 | step s (median, spread over ranks) | "
+          "step vs sp 1 | longest sequence at sp 1's bytes |")
+    print("|---|---|---|---|---|---|---|")
+    times1 = {}
+    for i, (sp, tokens, _, _) in enumerate(every[0]):
+        saved = max(r[i][2] for r in every)
+        steps = [r[i][3] for r in every]
+        step = statistics.median(steps)
+        times1.setdefault(tokens, step) if sp == 1 else None
+        first = min(base)
+        longest = base[first] * sp * tokens / saved
+        print(f"| Wan sp {sp} x dp {WORLD // sp} | {tokens} | {saved / 2**20:.1f} | {saved / sp / base[tokens]:.2f} | "
+              f"{step:.3f} ({min(steps):.3f}-{max(steps):.3f}) | {step / times1[tokens]:.2f} | {longest:.0f} "
+              f"({longest / first:.2f}x) |")
 
 
 def report(every: list) -> None:

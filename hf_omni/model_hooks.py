@@ -24,8 +24,14 @@ class ModelHooks:
 
     def deferred_problem(self) -> str | None:
         """A problem this rank found inside an accumulation window and keeps for the window's next agreement
-        (`offline.window.defer`): a checkpoint raises it before anything is written."""
-        return deferred_problem(self)
+        (`offline.window.defer`), or one a split module's boundary keeps on the device (`hf_omni_pending_problem`,
+        read here: a mask a sequence-parallel module cannot serve): a checkpoint raises it before anything is
+        written, and the run's end too."""
+        problem = deferred_problem(self)
+        for module in self.modules():
+            pending = module.__dict__.get("hf_omni_pending_problem")
+            problem = problem or (pending() if pending is not None else None)
+        return problem
 
     def sync_parts(self) -> None:
         """Before its modules are prepared: what freezing and LoRA replaced, into the model whose forward runs."""

@@ -26,7 +26,7 @@ from .arguments.module import ModuleArguments
 from .arguments.training import OmniTrainingArguments
 from .checkpoint.checkpointer import ModuleCheckpointer
 from .checkpoint.resume import resume_weights_folders
-from .core.dist import checkpoint_group, default_group_timeout
+from .core.dist import agreed, checkpoint_group, default_group_timeout
 from .core.errors import OmniArgumentError
 from .core.refusals import RESOLVED, TUNED, refuse
 from .metrics.module_bytes import log_bytes_table, module_bytes
@@ -210,6 +210,10 @@ class OmniPlugin(SlotViews):
             self.checkpointer.close()
         if self.model is not None:
             close_windows(self.model)  # a problem kept since the last window's agreement: every rank raises it
+            with agreed("the end of training", checkpoint_group()):  # one a boundary kept on the device
+                problem = self.model.deferred_problem()
+                if problem is not None:
+                    raise ValueError(problem)
 
     def fill_from_checkpoint(self, model: OmniModel, directory: str) -> set[str]:
         """Before `prepare`: `empty_init` modules will be filled from the checkpoint instead of their initial

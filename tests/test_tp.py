@@ -192,6 +192,7 @@ def test_ragged_rows_cross_the_boundary_exactly(launched):
     assert ranks[0]["refused"] == ranks[1]["refused"] and "rank 1 of its tensor-parallel group called it with no row" \
         in ranks[0]["refused"] and "parallelism.tp_size" in ranks[0]["refused"], [r["refused"] for r in ranks]
     assert [r["rows_after"][0] for r in ranks] == [1, 2]
+    assert [r["host_reads"] for r in ranks] == [[], []]  # row counts and shapes exchanged as host integers
     for r in ranks:
         assert r["loss"] < 1e-6 and r["params"] < 1e-7 and r["input"] < 1e-8, r
         # `generate` on the group's rows with its KV cache: each rank its own prompts' sequences, as one process
@@ -207,7 +208,8 @@ def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(laun
     over every position for 2 of the 4 heads; `_mqa`: one key/value head, repeated for both ranks): logits, the loss
     from shifted labels over Trainer's global count and every gradient as one process's. Rank 1's rows left-padded:
     logits at the tokens and the loss as one process's with the mask. A hole between tokens on one rank and
-    `generate`, and a label on a left-padded row's first token: every rank raises the same refusal."""
+    `generate`, and a label on a left-padded row's first token: every rank raises the same refusal (at the first
+    call with a mask; after it the problem is kept on the device, with no host read per call, until asked)."""
     ranks = launched[name]
     assert [r["shape"] for r in ranks] == [(1, 7, 19), (2, 5, 19)]  # each rank its own rows, whole
     for r in ranks:
@@ -218,6 +220,10 @@ def test_sequence_parallel_rows_of_other_lengths_cross_the_boundary_exactly(laun
     assert ranks[0]["hole"] == ranks[1]["hole"] and "a hole between tokens" in ranks[0]["hole"] and \
         "parallelism.sp_size" in ranks[0]["hole"]
     assert ranks[0]["first_label"] == ranks[1]["first_label"] and "a label on its first token" in ranks[0]["first_label"]
+    for r in ranks:  # after the first call: no host read; a mask's problem kept on the device until asked
+        assert r["host_reads"] == [], r["host_reads"]
+        assert r["kept_hole"] == ranks[0]["hole"] and r["kept_first_label"] == ranks[0]["first_label"]
+        assert r["kept_none"] is None
     assert all("`generate` of a sequence-parallel module is not supported" in r["generate"] for r in ranks)
     assert all("its loss is not transformers' causal-LM loss" in r["other_loss"] for r in ranks)
 
@@ -461,7 +467,7 @@ def test_boundary_keeps_rows_and_refuses_what_is_not_rows():
     from hf_omni.parallel.boundary import Boundary
 
     mesh = types.SimpleNamespace(get_group=lambda: None, get_local_rank=lambda: 1, size=lambda: 2)
-    boundary = Boundary("llm", mesh, "parallelism.tp_size", "tensor-parallel")
+    boundary = Boundary("llm", mesh, "parallelism.tp_size", "tensor-parallel", host=None)
     boundary.sizes = [1, 2]  # this rank (1) holds rows 1 and 2 of the group's 3
     logits = torch.randn(3, 4, 5)
     kept = boundary._keep(CausalLMOutputWithPast(logits=logits, hidden_states=(logits, logits + 1)), "output")

@@ -76,16 +76,36 @@ def checkpoint_group(timeout_s: float | None = None, thread: str = "main"):
 
 
 def all_gather_host(rows: list[list[int]], group) -> list[list[list[int]]]:
-    """Every rank's small table of integers (the same shape on every rank), over `group` (hf_omni's gloo side group):
-    built on the host, gathered, and read back as Python ints in one `tolist()`. The one way hf_omni moves per-step
-    metadata (who has which input, shapes, dtypes, errors): no device memory is read on the host."""
+    """Every rank's small table of integers (the same shape on every rank), over `group` (hf_omni's gloo side group,
+    or a `host_group`): built on the host, gathered, and read back as Python ints in one `tolist()`. The one way
+    hf_omni moves per-step metadata (who has which input, shapes, dtypes, errors): no device memory is read on the
+    host."""
     import torch
 
+    size = dist.get_world_size(group)
     mine = torch.tensor(rows, dtype=torch.int64)
-    everyone = torch.empty((world_size() * mine.shape[0], *mine.shape[1:]), dtype=torch.int64)
+    everyone = torch.empty((size * mine.shape[0], *mine.shape[1:]), dtype=torch.int64)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it is
     gather(everyone, mine, group=group)
-    return everyone.view(world_size(), *mine.shape).tolist()
+    return everyone.view(size, *mine.shape).tolist()
+
+
+_HOST_GROUPS: dict = {}  # (the default group, every group's ranks) -> this rank's gloo group among them
+
+
+def host_group(mesh, dim: str):
+    """A gloo group over this rank's group along `dim` of `mesh`, for the host integers a split module's boundary
+    exchanges at each call (`all_gather_host`): the mesh's own group where it is gloo already (a CPU mesh), else one
+    made for every group along `dim` (every rank calls this in the same order; each rank connects to its group's
+    N - 1 others: N - 1 sockets)."""
+    if mesh.device_type == "cpu":
+        return mesh[dim].get_group()
+    i = mesh.mesh_dim_names.index(dim)
+    groups = tuple(tuple(g) for g in mesh.mesh.movedim(i, -1).reshape(-1, mesh.mesh.shape[i]).tolist())
+    key = (dist.group.WORLD, groups)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")[0]
+    return _HOST_GROUPS[key]
 
 
 def share_failure(error: BaseException | None, what: str, group) -> None:

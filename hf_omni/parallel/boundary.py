@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.dist import all_gather_host
 from ..core.errors import OmniArgumentError
 from .sequence_exchange import all_to_all_rows
 
@@ -86,12 +87,14 @@ class Boundary:
     """Hooks around a split module's forward and its input embeddings' (which a composed forward calls
     first): only the outermost call gathers (the module's own call of its embeddings runs on gathered rows)."""
 
-    def __init__(self, module_name: str, mesh, key: str, name: str, partial: bool = False):
+    def __init__(self, module_name: str, mesh, key: str, name: str, host, partial: bool = False):
         """`mesh`: the group's 1-D mesh; `key`: the setting errors name (the layout's `parallelism.<name>_size`);
-        `name`: the group's, in messages (`tensor-parallel`); `partial`: each rank's backward gives its part of the
-        gradients (their sum over the group is the whole), not all of them (`GatherRows`)."""
+        `name`: the group's, in messages (`tensor-parallel`); `host`: a gloo group over the same ranks
+        (`core.dist.host_group`), for the row counts and shapes (no device memory is read on the host); `partial`:
+        each rank's backward gives its part of the gradients (their sum over the group is the whole), not all of
+        them (`GatherRows`)."""
         self.module_name, self.key, self.name, self.group = module_name, key, name, mesh.get_group()
-        self.partial = partial
+        self.host, self.partial = host, partial
         self.me, self.size = mesh.get_local_rank(), mesh.size()
         self.depth, self.sizes, self.summed = 0, None, False
 
@@ -122,20 +125,18 @@ class Boundary:
         keys = [k for k, v in named if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows]
         mine = [rows] + [d for k in keys for d in (dict(named)[k].ndim, *dict(named)[k].shape[1:])]
         mine = mine if len(mine) <= SHAPES else [TOO_MANY]
-        device = first.device if first is not None else next(module.parameters()).device
-        meta = torch.tensor(mine + [-1] * (SHAPES - len(mine)), dtype=torch.int64, device=device)
-        every = [torch.empty_like(meta) for _ in range(self.size)]
-        dist.all_gather(every, meta, group=self.group)  # every rank, whatever it found: a refusal is everyone's
-        failed = [(rank, int(other[0])) for rank, other in enumerate(every) if int(other[0]) < 0]
+        meta = mine + [-1] * (SHAPES - len(mine))
+        every = [rows[0] for rows in all_gather_host([meta], self.host)]  # every rank, whatever it found: a refusal
+        failed = [(rank, other[0]) for rank, other in enumerate(every) if other[0] < 0]  # is everyone's
         if failed:
             rank, code = failed[0]
             raise self.refuse(f"rank {rank} of its {self.name} group " + (
                 "called it with no row tensor (its forward takes its rows as tensors)" if code == NO_ROWS else
                 f"called it with more row inputs than the boundary describes ({SHAPES} ints)"))
-        if any(not torch.equal(other[1:], meta[1:]) for other in every):
+        if any(other[1:] != meta[1:] for other in every):
             raise self.refuse(f"the ranks of one {self.name} group call it with row inputs {keys} whose other "
                               "dims (or number) differ (pad them to one length across the group)")
-        self.sizes = [int(other[0]) for other in every]
+        self.sizes = [other[0] for other in every]
         gathered = {k: GatherRows.apply(dict(named)[k], self.group, self.sizes, self.me, self.partial) for k in keys}
         args = tuple(gathered.get(f"argument {i}", v) for i, v in enumerate(args))
         return args, {k: gathered.get(k, v) for k, v in kwargs.items()}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import attention_of, set_attention
+from ..core.dist import host_group
 from ..core.errors import OmniArgumentError
 from ..modules.units import run_roots
 from . import sequence_diffusers
@@ -102,9 +103,9 @@ class SequenceLayout(Layout):
 
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         if self.diffusers:
-            sequence_diffusers.install(self.module_name, module, mesh[self.name], KEY, GROUP)
+            sequence_diffusers.install(self.module_name, module, mesh, self.name, KEY, GROUP)
         else:
-            SequenceBoundary(self.module_name, mesh[self.name], KEY).install(*self.roots)
+            SequenceBoundary(self.module_name, mesh[self.name], KEY, host_group(mesh, self.name)).install(*self.roots)
         for root in run_roots(module):
             refuse_methods(self.module_name, root, methods, KEY, GROUP, served="`forward` (a KV cache of the "
                            "group's rows' chunks would be no rank's)")

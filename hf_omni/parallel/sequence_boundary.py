@@ -25,7 +25,9 @@ so its tokens come first, its position ids (given, or one process's 0 .. n - 1, 
 its outputs rotated back; each token then attends the same tokens at the same positions as in one process, whose
 mask hides the pads. Refused by name on every rank of the group: an `attention_mask` with a hole between tokens
 (packed sequences), and a label on a left-padded row's first token (one process would predict it from a pad). Row
-counts and lengths are read to the host once per call (the exchange's split sizes).
+counts and lengths travel as host integers on a gloo group over the same ranks (`core.dist.host_group`); the mask
+checks are read on the host at the first call with a mask, then kept on the device (`problem`: asked before a
+checkpoint is written and at the run's end).
 """
 
 from __future__ import annotations
@@ -36,11 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.dist import all_gather_host
 from ..core.errors import OmniArgumentError
 from .boundary import takes_use_cache
 from .sequence_exchange import ChunksToRows, RowsToChunks
 
 FIRST = ("inputs_embeds", "input_ids")
+HOLE = ("an attention_mask with a hole between tokens (packed sequences) reached it: sequence parallelism serves left "
+        "and right padding only")
+FIRST_LABEL = ("a left-padded row has a label on its first token, which one process would predict from a padding "
+               "position: set that label to -100 (a first token is never predicted)")
 CAUSAL_LOSS = "ForCausalLMLoss"  # the loss that reads `shift_labels` (transformers' `loss_utils`)
 PAD = {"labels": -100, "shift_labels": -100}  # other sequence tensors pad with 0 (position ids: continued)
 
@@ -48,15 +55,25 @@ PAD = {"labels": -100, "shift_labels": -100}  # other sequence tensors pad with 
 class SequenceBoundary:
     """Hooks around a sequence-parallel module's forward; only the outermost call exchanges."""
 
-    def __init__(self, module_name: str, mesh, key: str):
-        self.module_name, self.key, self.group = module_name, key, mesh.get_group()
+    def __init__(self, module_name: str, mesh, key: str, host):
+        """`host`: a gloo group over the same ranks (`core.dist.host_group`), for the row counts and lengths."""
+        self.module_name, self.key, self.group, self.host = module_name, key, mesh.get_group(), host
         self.me, self.size = mesh.get_local_rank(), mesh.size()
         self.depth, self.state = 0, None
+        self.checked, self.pending = False, None  # the masks' checks: read at the first call, then kept on the device
 
     def install(self, *modules: nn.Module) -> None:
         for module in modules:
             module.register_forward_pre_hook(self.before, with_kwargs=True)
             module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
+            module.hf_omni_pending_problem = self.problem  # what a checkpoint and the run's end ask before going on
+
+    def problem(self) -> str | None:
+        """What the masks since the last question broke (the group's, alike on its ranks): one host read, asked
+        before a checkpoint is written and at the run's end, never per step."""
+        pending, self.pending = self.pending, None
+        reason = None if pending is None else mask_problem(pending.tolist())
+        return None if reason is None else str(self.refuse(reason))
 
     def refuse(self, what: str) -> OmniArgumentError:
         return OmniArgumentError(self.module_name, self.key, what)
@@ -93,36 +110,41 @@ class SequenceBoundary:
         first = next((kwargs[k] for k in FIRST if isinstance(kwargs.get(k), torch.Tensor)), None)
         b, n = (first.shape[0], first.shape[1]) if first is not None and first.ndim >= 2 else (-1, -1)
         mask = kwargs.get("attention_mask")
-        lead, holes, first_label = None, torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.bool)
+        lead, flags = None, None
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and tuple(mask.shape) == (b, n):
-            lead = (mask.long().cumsum(1) == 0).sum(1)  # on the device: no host read
-            holes = bool_holes(turn(mask, lead))
+            lead = (mask.long().cumsum(1) == 0).sum(1)  # on the device
+            flags = torch.stack([bool_holes(turn(mask, lead)), torch.zeros((), dtype=torch.bool, device=lead.device)])
             labels = kwargs.get("labels")
             if isinstance(labels, torch.Tensor) and tuple(labels.shape[:2]) == (b, n):  # one process predicts a
-                first = labels.gather(1, lead.clamp(max=n - 1)[:, None].to(labels.device))[:, 0]  # padded row's
-                first_label = ((lead > 0) & (lead < n) & (first.to(lead.device) != -100)).any()  # first from a pad
+                head = labels.gather(1, lead.clamp(max=n - 1)[:, None].to(labels.device))[:, 0]  # padded row's
+                flags[1] = ((lead > 0) & (lead < n) & (head.to(lead.device) != -100)).any()  # first from a pad
             if not isinstance(kwargs.get("position_ids"), torch.Tensor):  # one process's: 0 .. n - 1, pads counted
                 kwargs = {**kwargs, "position_ids": torch.arange(n, device=mask.device).expand(b, -1)}
-        device = first.device if first is not None else torch.device("cpu")
-        meta = torch.tensor([b, n, 0, int(isinstance(kwargs.get("labels"), torch.Tensor)), 0], device=device)
-        meta[2] = holes.to(device=device, dtype=meta.dtype)  # on the device: read with the rest, below
-        meta[4] = first_label.to(device=device, dtype=meta.dtype)
-        every = [torch.empty_like(meta) for _ in range(self.size)]
-        dist.all_gather(every, meta, group=self.group)
-        table = torch.stack(every).tolist()  # the one host read of the call
+        table = [rows[0] for rows in all_gather_host([[b, n, int(isinstance(kwargs.get("labels"), torch.Tensor)),
+                                                       int(flags is not None)]], self.host)]  # host ints only
         if any(r[0] < 0 for r in table):
             raise self.refuse(f"rank {[r[0] for r in table].index(-1)} of its sequence-parallel group called it "
                               "without input_ids / inputs_embeds of (rows, positions)")
-        if any(r[2] for r in table):
-            raise self.refuse("an attention_mask with a hole between tokens (packed sequences) reached it: sequence "
-                              "parallelism serves left and right padding only")
-        if any(r[4] for r in table):
-            raise self.refuse("a left-padded row has a label on its first token, which one process would predict "
-                              "from a padding position: set that label to -100 (a first token is never predicted)")
-        if len({r[3] for r in table}) > 1:
+        if any(r[3] for r in table):
+            self._check_masks(flags, first.device)
+        if len({r[2] for r in table}) > 1:
             raise self.refuse("some ranks of its sequence-parallel group pass labels and others do not")
         length = -(-max(r[1] for r in table) // self.size) * self.size
         return [r[0] for r in table], [r[1] for r in table], lead, self._padded(kwargs, b, n, length, lead)
+
+    def _check_masks(self, flags: torch.Tensor | None, device: torch.device) -> None:
+        """The group's mask flags (a hole between tokens, a left-padded first token's label) summed on the device
+        (every rank of the group joins, with or without a mask). Read on the host at the first call, so that a
+        collator's habit is refused before anything trains; after it kept on the device (`problem`)."""
+        flags = (flags if flags is not None else torch.zeros(2, dtype=torch.bool, device=device)).to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if self.checked:
+            self.pending = flags if self.pending is None else torch.maximum(self.pending, flags)
+            return
+        self.checked = True
+        reason = mask_problem(flags.tolist())  # the first call's one host read
+        if reason is not None:
+            raise self.refuse(reason)
 
     def _padded(self, kwargs: dict, rows: int, n: int, length: int, lead: torch.Tensor | None) -> dict:
         out = {}
@@ -177,6 +199,10 @@ class SequenceBoundary:
             return type(value)(self._back(v, f"{key}[{i}]") for i, v in enumerate(value))
         raise self.refuse(f"its {key} is a {type(value).__name__}, which the sequence-parallel boundary cannot send "
                           "back to its rows (a cache: pass use_cache=False)")
+
+
+def mask_problem(flags: list[int]) -> str | None:
+    return HOLE if flags[0] else FIRST_LABEL if flags[1] else None
 
 
 def turn(value: torch.Tensor, lead: torch.Tensor, back: bool = False) -> torch.Tensor:

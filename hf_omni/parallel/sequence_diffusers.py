@@ -27,6 +27,7 @@ from torch import nn
 from ..compat import (
     attention_backend_without_context_parallel, context_parallel_plan, enable_context_parallel, plan_modules,
 )
+from ..core.dist import host_group
 from ..core.errors import OmniArgumentError
 from .boundary import Boundary
 from .sequence_boundary import as_keywords
@@ -58,11 +59,11 @@ def apply(module_name: str, module: nn.Module, mesh, n: int, key: str) -> None:
     enable_context_parallel(module, mesh, ulysses=n, check_output=check_output)
 
 
-def install(module_name: str, module: nn.Module, mesh, key: str, group_name: str) -> None:
-    """The row boundary at the module's inputs and outputs, and a check of each input the plan splits (its outputs
-    are checked from `apply`, inside diffusers' hooks)."""
-    Boundary(module_name, mesh, key, group_name, partial=True).install(module)
-    n = mesh.size()
+def install(module_name: str, module: nn.Module, mesh, dim: str, key: str, group_name: str) -> None:
+    """The row boundary at the module's inputs and outputs (over `mesh[dim]`), and a check of each input the plan
+    splits (its outputs are checked from `apply`, inside diffusers' hooks)."""
+    Boundary(module_name, mesh[dim], key, group_name, host_group(mesh, dim), partial=True).install(module)
+    n = mesh[dim].size()
     for path, entry in context_parallel_plan(module).items():
         inputs = {k: v for k, v in entry.items() if not v.split_output} if isinstance(entry, dict) else {}
         for part in plan_modules(module, path) if inputs else []:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import apply_tensor_plan, tensor_parallel_plan
+from ..core.dist import host_group
 from ..core.errors import OmniArgumentError
 from ..modules.embeddings import embeddings_of
 from ..modules.units import run_roots
@@ -106,7 +107,7 @@ class TensorLayout(Layout):
     def after_fsdp(self, module: nn.Module, mesh, methods: tuple[str, ...]) -> None:
         embed = embeddings_of(module)
         roots = run_roots(module)  # an adopted model's module: each of its paths (its LLM, its `lm_head`)
-        boundary = Boundary(self.module_name, mesh[self.name], KEY, GROUP)
+        boundary = Boundary(self.module_name, mesh[self.name], KEY, GROUP, host_group(mesh, self.name))
         boundary.install(*roots, *([embed] if embed is not None else []))
         for root in roots:
             boundary.serve_generate(root)

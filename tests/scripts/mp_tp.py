@@ -66,6 +66,7 @@ def ragged(out_dir: str):
     from torch.distributed.fsdp import fully_shard
 
     from hf_omni.parallel.tensor import TensorLayout
+    from hf_omni.testing.host_reads import HostReads
 
     llm = tp_scenarios.tp_model().llm
     reference = copy.deepcopy(llm)
@@ -94,6 +95,9 @@ def ragged(out_dir: str):
     except OmniArgumentError as err:
         diffs["refused"] = str(err)
     diffs["rows_after"] = tuple(llm(inputs_embeds=mine.clone(), use_cache=False).logits.shape)  # own rows again
+    with HostReads() as reads, torch.no_grad():  # the row counts and shapes: host integers, no device read
+        llm(inputs_embeds=mine.clone(), use_cache=False)
+    diffs["host_reads"] = reads.found
     diffs.update(generated(llm, reference, rank))
     helpers.save_every_rank(diffs, os.path.join(out_dir, "ragged.pt"))
 
@@ -102,8 +106,9 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
     """A tiny Llama at sp 2 (FSDP2 over dp_shard 1 x sp 2) and its boundary: rank r runs r + 1 rows of its own length
     (7 and 5 tokens: padded to 8 and split in 4 + 4), labels with ignored positions, Trainer's global token count.
     Reference: the same model in this process on every rank's rows, objective the sum of the ranks' losses. Then
-    rank 1's rows left-padded (logits and loss as one process's with the mask); a mask with a hole between tokens on
-    rank 1 alone: both ranks raise the same refusal; and `generate` is refused.
+    rank 1's rows left-padded (logits and loss as one process's with the mask; called again, no host read); a hole
+    between tokens, and a left-padded first token's label, on rank 1 alone: kept on the device after the first call
+    (both ranks report it when asked), refused at the first call; and `generate` is refused.
     `kv_heads`: the Llama with that many key/value heads instead (1: MQA, repeated for the 2 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -111,6 +116,7 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
 
     from hf_omni.compat import flatten_mesh
     from hf_omni.parallel.sequence import SequenceLayout
+    from hf_omni.testing.host_reads import HostReads
 
     torch.manual_seed(0)
     llm = tp_scenarios.tp_model().llm
@@ -156,9 +162,19 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
     dist.all_reduce(total)
     diffs["left_padded_logits"] = (out.logits - refs[rank].logits)[masks[rank].bool()].abs().max().item()
     diffs["left_padded_loss"] = abs(total.item() - sum(r.loss.item() for r in refs))
+    with HostReads() as reads, torch.no_grad():  # after the first call: no device memory read on the host
+        llm(input_ids=ids[rank], attention_mask=masks[rank], labels=padded[rank], num_items_in_batch=count)
+    diffs["host_reads"] = reads.found
     mask = torch.ones_like(ids[rank])
     if rank == 1:
         mask[:, 1] = 0  # a hole between tokens (packed sequences)
+    # after the first call, a mask's problem is kept on the device and read when a checkpoint or the end asks
+    llm(input_ids=ids[rank], attention_mask=mask)
+    diffs["kept_hole"] = llm.hf_omni_pending_problem()
+    llm(input_ids=ids[rank], attention_mask=masks[rank], labels=predicted[rank])
+    diffs["kept_first_label"], diffs["kept_none"] = llm.hf_omni_pending_problem(), llm.hf_omni_pending_problem()
+    boundary = llm.hf_omni_pending_problem.__self__
+
     def other_loss():
         causal, llm.loss_type = llm.loss_type, "ForMaskedLM"  # a loss that shifts nothing: the labels would be wrong
         try:
@@ -171,6 +187,7 @@ def sp_ragged(out_dir: str, name: str = "sp_ragged", kv_heads: int | None = None
                                                   labels=predicted[rank])),
                       ("generate", lambda: llm.generate(input_ids=ids[rank], max_new_tokens=2)),
                       ("other_loss", other_loss)):
+        boundary.checked = False  # as at the first call with a mask: read there, refused at once
         try:
             call()
         except OmniArgumentError as err:
