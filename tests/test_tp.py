@@ -256,6 +256,30 @@ def test_video_transformer_at_two_data_by_two_sequence_ranks_equals_one_process(
     assert torch.allclose(exported, got["sample"], atol=1e-5)
 
 
+@pytest.mark.parametrize("step, save", [(2, True), (3, False)])
+def test_a_problem_a_boundary_kept_on_the_device_stops_the_next_checkpoint_or_the_end(tmp_path, step, save):
+    """A split module's boundary keeps what it found after its first call on the device (a mask sequence
+    parallelism cannot serve) and answers `hf_omni_pending_problem` when asked: found at step 2, the save of
+    checkpoint-2 raises it before anything is written; found at the last step with no save after it, the end of the
+    run raises it."""
+    from transformers import TrainerCallback
+
+    model = tiny_model()
+    kept = []
+    model.llm.hf_omni_pending_problem = lambda: kept.pop() if kept else None
+
+    class Keep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                kept.append("modules.llm.parallelism.sp_size: an attention_mask with a hole between tokens")
+
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=2),
+                          train_dataset=tiny_data(model), callbacks=[Keep()])
+    with pytest.raises(ValueError, match=r"modules\.llm\.parallelism\.sp_size: an attention_mask with a hole"):
+        trainer.train()
+    assert (tmp_path / "checkpoint-2").exists() is not save  # found before the save: nothing of it written
+
+
 def test_sequence_layout_refuses_what_it_cannot_split():
     """Heads that sp does not divide; a module whose attention is not transformers' interface: refused by module and
     key before anything is split. An adopted model's module: its path holding attention takes it."""

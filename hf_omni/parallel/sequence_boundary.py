@@ -23,11 +23,11 @@ Padding: on the right, a padded position never reaches an earlier one through ca
 are cut off. Left padding (an `attention_mask` of zeros, then ones) is turned into right padding: each row is rotated
 so its tokens come first, its position ids (given, or one process's 0 .. n - 1, pads counted) rotated with it, and
 its outputs rotated back; each token then attends the same tokens at the same positions as in one process, whose
-mask hides the pads. Refused by name on every rank of the group: an `attention_mask` with a hole between tokens
-(packed sequences), and a label on a left-padded row's first token (one process would predict it from a pad). Row
+mask hides the pads. Refused by name on every rank: an `attention_mask` with a hole between tokens (packed
+sequences), and a label on a left-padded row's first token (one process would predict it from a pad). Row
 counts and lengths travel as host integers on a gloo group over the same ranks (`core.dist.host_group`); the mask
-checks are read on the host at the first call with a mask, then kept on the device (`problem`: asked before a
-checkpoint is written and at the run's end).
+checks are read on the host at the first call and agreed by every rank, then kept on the device (`problem`: asked
+before a checkpoint is written and at the run's end, where every rank raises what any found).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.dist import all_gather_host
+from ..core.dist import all_gather_host, checkpoint_group
 from ..core.errors import OmniArgumentError
 from .boundary import takes_use_cache
 from .sequence_exchange import ChunksToRows, RowsToChunks
@@ -125,7 +125,7 @@ class SequenceBoundary:
         if any(r[0] < 0 for r in table):
             raise self.refuse(f"rank {[r[0] for r in table].index(-1)} of its sequence-parallel group called it "
                               "without input_ids / inputs_embeds of (rows, positions)")
-        if any(r[3] for r in table):
+        if not self.checked or any(r[3] for r in table):
             self._check_masks(flags, first.device)
         if len({r[2] for r in table}) > 1:
             raise self.refuse("some ranks of its sequence-parallel group pass labels and others do not")
@@ -133,16 +133,18 @@ class SequenceBoundary:
         return [r[0] for r in table], [r[1] for r in table], lead, self._padded(kwargs, b, n, length, lead)
 
     def _check_masks(self, flags: torch.Tensor | None, device: torch.device) -> None:
-        """The group's mask flags (a hole between tokens, a left-padded first token's label) summed on the device
-        (every rank of the group joins, with or without a mask). Read on the host at the first call, so that a
-        collator's habit is refused before anything trains; after it kept on the device (`problem`)."""
+        """The mask flags (a hole between tokens, a left-padded first token's label). At the first call: read on the
+        host and agreed by every rank (hf_omni's gloo side group), so that a collator's habit is refused by every
+        rank before anything trains. After it: combined over the group on the device (every rank of the group joins,
+        with or without a mask) and kept there (`problem`)."""
         flags = (flags if flags is not None else torch.zeros(2, dtype=torch.bool, device=device)).to(torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         if self.checked:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             self.pending = flags if self.pending is None else torch.maximum(self.pending, flags)
             return
         self.checked = True
-        reason = mask_problem(flags.tolist())  # the first call's one host read
+        everyone = all_gather_host([flags.tolist()], checkpoint_group())  # the first call's one host read
+        reason = mask_problem([max(rank[0][i] for rank in everyone) for i in range(2)])
         if reason is not None:
             raise self.refuse(reason)
 
