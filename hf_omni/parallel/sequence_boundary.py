@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.dist import all_gather_host, checkpoint_group
+from ..core.dist import all_gather_host
 from ..core.errors import OmniArgumentError
 from .boundary import takes_use_cache
 from .sequence_exchange import ChunksToRows, RowsToChunks
@@ -133,18 +133,18 @@ class SequenceBoundary:
         return [r[0] for r in table], [r[1] for r in table], lead, self._padded(kwargs, b, n, length, lead)
 
     def _check_masks(self, flags: torch.Tensor | None, device: torch.device) -> None:
-        """The mask flags (a hole between tokens, a left-padded first token's label). At the first call: read on the
-        host and agreed by every rank (hf_omni's gloo side group), so that a collator's habit is refused by every
-        rank before anything trains. After it: combined over the group on the device (every rank of the group joins,
-        with or without a mask) and kept there (`problem`)."""
+        """The mask flags (a hole between tokens, a left-padded first token's label). At the first call: combined
+        over every rank (the default group) and read on the host, so that a collator's habit is refused by every rank
+        before anything trains. After it: combined over the group on the device (every rank of the group joins, with
+        or without a mask) and kept there (`problem`)."""
         flags = (flags if flags is not None else torch.zeros(2, dtype=torch.bool, device=device)).to(torch.int32)
         if self.checked:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             self.pending = flags if self.pending is None else torch.maximum(self.pending, flags)
             return
         self.checked = True
-        everyone = all_gather_host([flags.tolist()], checkpoint_group())  # the first call's one host read
-        reason = mask_problem([max(rank[0][i] for rank in everyone) for i in range(2)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank's: a refusal is every rank's
+        reason = mask_problem(flags.tolist())  # the first call's one host read
         if reason is not None:
             raise self.refuse(reason)
 
