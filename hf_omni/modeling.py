@@ -102,6 +102,18 @@ class OmniModel(ModelHooks, PreTrainedModel):
         """The model whose class's `forward` Trainer reads label names from (an adopted model's: the released one)."""
         return self
 
+    def forward_class(self) -> type:
+        """The class whose `forward` signature names the labels (Trainer's `find_labels`)."""
+        return type(self.forward_owner())
+
+    def loss_modules(self) -> dict[str, str]:
+        """A loss the forward returns in `losses` -> the module it is logged under (`loss/<module>`)."""
+        return {}
+
+    def window_counts(self) -> dict[str, str]:
+        """Target columns counted over the accumulation window and every rank -> the forward argument taking it."""
+        return {}
+
     def omni_modules(self) -> dict[str, nn.Module]:
         return {name: slot.module for name, slot in self.slots.items()}
 

@@ -5,7 +5,8 @@
         "vision": "model.vision_tower", "projector": "model.multi_modal_projector",
         "llm": ["model.language_model", "lm_head"]}, processor=AutoProcessor.from_pretrained(path))
 
-The released model's own `forward` and `generate` run unchanged; each module (`parts.Part`) is trained, wrapped,
+The released model's own `forward` and `generate` run unchanged (where its class has no training `forward`, the
+step `adopt.omni` registers for it runs instead: Qwen2.5-Omni); each module (`parts.Part`) is trained, wrapped,
 clipped and stepped as a composed model's is; what the driver, the checkpointer and offline encoding ask a
 composed model (`model_hooks.ModelHooks`) it answers for the released one.
 """
@@ -23,6 +24,7 @@ from ..formats.transformers_classes import class_record
 from ..modeling import OmniModel
 from ..offline.missing_modality import runs_collectives
 from .inputs import check_same_inputs
+from .omni import step_for
 from .offline import released_encoder, released_specs, served_outputs, served_signature
 from .owners import check_paths, claim_tied, normalise
 from .parts import build_parts, sync_into
@@ -44,14 +46,16 @@ class AdoptedModel(OmniModel):
         super().__init__(config, modules=parts)
         self.__dict__["released"] = released
         self.__dict__["adopted_processor"] = processor
-        signature = inspect.signature(released.forward)
+        self.__dict__["released_step"] = step_for(released)  # a training step its class lacks, or None
+        runner = self.released_step if self.released_step is not None else released
+        signature = inspect.signature(runner.forward)
         self.argument_names = [n for n, p in signature.parameters.items()
                                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
         def forward(self, *args, **kwargs):  # the released forward's signature: Trainer keeps the columns it takes
             return self.run_released(*args, **kwargs)
 
-        forward.__signature__ = served_signature(inspect.signature(type(released).forward))
+        forward.__signature__ = served_signature(inspect.signature(type(runner).forward))
         self.forward = types.MethodType(forward, self)  # bound: a deep copy rebinds it to the copy
 
     @classmethod
@@ -82,6 +86,8 @@ class AdoptedModel(OmniModel):
                                              if s.strategy is not None and s.strategy.collective])
         if cached:
             kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), **cached}
+        if self.released_step is not None:
+            return self.released_step(*args, **kwargs)
         return self.released(*args, **kwargs)
 
     def offline_encoder_specs(self) -> dict:
@@ -102,6 +108,25 @@ class AdoptedModel(OmniModel):
     def forward_owner(self) -> PreTrainedModel:
         """The released model: its class's `forward` names the labels (the instance's `forward` is set per object)."""
         return self.released
+
+    def forward_class(self) -> type:
+        """The class whose `forward` Trainer reads label names from: the released class's, or its step's."""
+        return type(self.released_step if self.released_step is not None else self.released)
+
+    def loss_modules(self) -> dict[str, str]:
+        """A step's loss name -> the module owning the head that computes it (`loss/<module>` in the logs)."""
+        if self.released_step is None:
+            return {}
+        owners = {}
+        for loss, head in self.released_step.heads.items():
+            for name, slot in self.slots.items():
+                if any(head == p or head.startswith(p + ".") for p in slot.module.omni_paths):
+                    owners[loss] = name
+        return owners
+
+    def window_counts(self) -> dict[str, str]:
+        """A step's target columns -> the argument taking their count over the accumulation window and every rank."""
+        return dict(self.released_step.counts) if self.released_step is not None else {}
 
     def generate(self, *args, **kwargs):
         return self.released.generate(*args, **kwargs)

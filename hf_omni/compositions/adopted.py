@@ -96,6 +96,8 @@ class AdoptedComposition(Composition):
                 export_module_folders(model, directory, list(module_folders), is_main_process, max_shard_size)
         if is_main_process:
             root_config(model).to_json_file(os.path.join(directory, ADOPTED_FILE))
+            if model.released_step is not None:  # what the released class reads beyond its own save (speakers)
+                model.released_step.save_files(directory)
 
     def write_root(self, model, directory: str) -> None:
         """A checkpoint's root `config.json` (its modules' folders beside it, keyed by the released names)."""

@@ -31,10 +31,11 @@ from .data import TrainingDataMixin
 from .evaluation import EvaluationMixin
 from .hooks import check_trainer_hooks
 from .hub import HubPushMixin, check_hub_links
+from .loss_parts import LossPartsMixin
 from .step_window import StepWindowMixin
 
 
-class OmniTrainer(StepWindowMixin, TrainingDataMixin, EvaluationMixin, HubPushMixin, Trainer):
+class OmniTrainer(StepWindowMixin, LossPartsMixin, TrainingDataMixin, EvaluationMixin, HubPushMixin, Trainer):
     """Trainer for an `OmniModel`: per-module preparation, optimizers, schedulers, clipping and exports."""
 
     def __init__(self, model=None, args: OmniTrainingArguments | None = None, plugin: OmniPlugin | None = None,
@@ -52,8 +53,8 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, EvaluationMixin, HubPushMi
         check_hub_links(args, model)
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(profile_steps.TimedSteps(self.plugin))  # `time/<module>`: logging steps only
-        owner = type(model.forward_owner())  # Trainer read the composed class; an adopted model's forward is the
-        if args.label_names is None:          # released class's, set on the instance
+        owner = model.forward_class()  # Trainer read the composed class; an adopted model's forward is the
+        if args.label_names is None:    # released class's (or its step's), set on the instance
             self.label_names = find_labels(owner)
         self.can_return_loss = can_return_loss(owner)
         self._init_hub()
@@ -196,7 +197,7 @@ class OmniTrainer(StepWindowMixin, TrainingDataMixin, EvaluationMixin, HubPushMi
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.plugin.model is not None:
-            logs = {**logs, **self.plugin.log_metrics()}
+            logs = {**logs, **self.loss_part_logs(), **self.plugin.log_metrics()}
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
 - empty_init: Qwen2.5-VL from its released folder on the meta device (`from_model(cls, folder, empty_init=True)`),
   every module sharded, each rank reading its own rows of the released files (LLM trained fully: a fresh LoRA's
   draw differs per shard under empty_init);
+- qwen2_5_omni: Qwen2.5-Omni's thinker (LoRA LLM under FSDP, audio tower frozen under FSDP, vision tower frozen)
+  and talker (trained fully under FSDP) trained jointly from rows of text, image and audio prompts with speech codes
+  (`adopt/omni/qwen2_5_omni.py`'s step), token2wav frozen and never wrapped; its codec loss normalised over both
+  ranks' codes;
 - lacking: rank 0's batch has images, rank 1's has none: every rank raises the same error.
 """
 
@@ -31,6 +35,8 @@ import torch
 import torch.distributed as dist
 from helpers import full_state, make_args
 from launching import end_distributed
+from omni_models import QWEN2_5_OMNI, OmniRows, qwen2_5_omni
+from omni_models import collate as omni_collate
 from released_models import BUILDERS, BUILT, MODULES, TIED_OUTSIDE, Rows, collate
 
 from hf_omni import OmniModel, OmniTrainer
@@ -78,6 +84,10 @@ CASES = {
                                               "parallelism": {"dp_shard_size": 1, "sp_size": 2}}},
                        dict(mrope=True, wide_every=3)),  # the processor's token types: 3-D rotary positions;
     # every third image twice as wide: rows of other lengths on each rank, left-padded by the collator
+    "qwen2_5_omni": ("qwen2_5_omni", {"audio": {"trainable": False, "parallel": "fsdp"}, "vision": {"trainable": False},
+                                      "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"},
+                                      "talker": {"learning_rate": 1e-3, "parallel": "fsdp"},
+                                      "token2wav": {"trainable": False}}, dict(mapping=QWEN2_5_OMNI)),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -94,6 +104,8 @@ def released_folder(out_dir: str, family: str) -> str:
     return folder
 
 
+BUILDERS_ALL = {**BUILT, "qwen2_5_omni": qwen2_5_omni}
+COLLATE = {"qwen2_5_omni": omni_collate}
 ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows", "mrope")
 
 
@@ -101,6 +113,8 @@ def case_rows(family: str, model, extra: dict) -> Rows:
     """A case's 32 rows: every k-th text-only, every k-th wide (Qwen2.5-VL), and the listed rows text-only, 15
     tokens long (the widest image row's length: Qwen2.5-VL's loss on a text row depends on its left padding, so a
     rank's batch of these must pad as the one-process batch does)."""
+    if family == "qwen2_5_omni":
+        return OmniRows(32)
     rows = Rows(family, model, 32, text_only_every=extra.get("text_only_every", 0),
                 wide_every=extra.get("wide_every", 0), mrope=extra.get("mrope", False))
     for i in extra.get("text_only_rows", []):
@@ -121,11 +135,11 @@ def case_trainer(out_dir: str, family: str, modules: dict, extra: dict, world: i
         cls, folder = type(BUILDERS[family]()), released_folder(out_dir, family)
         model = OmniModel.from_model(cls, folder, modules=mapping, empty_init=True)
     else:
-        model = OmniModel.from_model(BUILT[family](), modules=mapping)
+        model = OmniModel.from_model(BUILDERS_ALL[family](), modules=mapping)
     rows = case_rows(family, model.released, extra_rows)
     args = make_args(out_dir, modules=modules, per_device_train_batch_size=per_device, max_grad_norm=1.0,
                      **extra, **overrides)
-    return OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    return OmniTrainer(model=model, args=args, train_dataset=rows, data_collator=COLLATE.get(family, collate))
 
 
 def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world: int, resume: bool = False) -> dict:
@@ -136,8 +150,10 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
     read_before = READ["bytes"]
     trainer.train()
     model = trainer.model
-    result = {"read": READ["bytes"] - read_before, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-              "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model)}
+    logged = trainer.state.log_history
+    result = {"read": READ["bytes"] - read_before, "losses": [e["loss"] for e in logged if "loss" in e],
+              "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model),
+              "parts": [[e[f"loss/{m}"] for m in ("llm", "talker")] for e in logged if "loss/talker" in e]}
     if resume:
         again = case_trainer(os.path.join(out_dir, name, "resumed"), family, modules, extra, world, seed=7)
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))

@@ -1,0 +1,114 @@
+"""Tiny released omni models (built from their config classes: nothing downloads), their `modules=` mappings, and
+rows of text, image and audio prompts with text replies and speech codes (synthetic codes: a real run takes them
+from the release's speech tokenizer)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+AUDIO, IMAGE, VIDEO, AUDIO_START, AUDIO_END, VISION_START, VISION_END = 100, 101, 102, 103, 104, 105, 107
+SPEAKER, TEXT_EOS, TEXT_PAD, REPLY_END = 113, 111, 112, 5  # the speaker's bos token; the reply's end-of-turn
+CODEC_END = 125
+QWEN2_5_OMNI = {"audio": "thinker.model.audio_tower", "vision": "thinker.model.visual",
+                "llm": ["thinker.model.language_model", "thinker.lm_head"], "talker": "talker",
+                "token2wav": "token2wav"}
+
+
+def qwen2_5_omni(seed: int = 0) -> Qwen2_5OmniForConditionalGeneration:
+    """Thinker (2-layer audio tower, 2-block vision tower, 2-layer LLM), talker (2 layers, 128 codes), token2wav
+    (a 2-block DiT and a small BigVGAN), and one speaker."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=1, out_hidden_size=24, window_size=8,
+                  fullatt_block_indexes=[1])
+    audio = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                 max_source_positions=64, n_window=4, output_dim=24)
+    text = dict(vocab_size=120, hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256,
+                rope_parameters={**rope, "mrope_section": [2, 2, 2]})
+    tokens = dict(audio_token_index=AUDIO, image_token_index=IMAGE, video_token_index=VIDEO,
+                  audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END, vision_start_token_id=VISION_START)
+    thinker = dict(audio_config=audio, vision_config=vision, text_config=text, user_token_id=106, **tokens)
+    talker = dict(vocab_size=128, tts_text_start_token_id=110, tts_text_end_token_id=TEXT_EOS,
+                  tts_text_pad_token_id=TEXT_PAD, tts_codec_start_token_id=124, tts_codec_end_token_id=CODEC_END,
+                  tts_codec_pad_token_id=126, tts_codec_mask_token_id=127, vision_end_token_id=VISION_END,
+                  embedding_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                  rope_parameters={**rope, "mrope_section": [1, 1, 2]}, **tokens)
+    dit = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=8, head_dim=8,
+               num_embeds=128, mel_dim=8, enc_emb_dim=8, enc_dim=8, enc_channels=[8, 8, 8, 8, 24],
+               enc_attention_channels=8, enc_se_channels=8, look_ahead_layers=[1], look_backward_layers=[0],
+               block_size=4, repeats=2)
+    bigvgan = dict(mel_dim=8, upsample_initial_channel=16, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+                   resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])
+    config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=True,
+                               token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniForConditionalGeneration(config)
+    model.thinker.generation_config.eos_token_id = REPLY_END
+    generator = torch.Generator().manual_seed(seed)
+    model.speaker_map = {"Tiny": {"bos_token": SPEAKER, "cond": torch.randn(1, 8, generator=generator),
+                                  "ref_mel": torch.randn(1, 6, 8, generator=generator)}}
+    return model
+
+
+class OmniRows(torch.utils.data.Dataset):
+    """`n` rows: a prompt (every `audio_every`-th row a 16-frame clip, every `image_every`-th a 4x4-patch image, and
+    3 text tokens), a reply of 2-5 text tokens ending in the end-of-turn, and 2-6 speech codes ending in the codec
+    end token (every `silent_every`-th row no speech: codes all -100)."""
+
+    def __init__(self, n: int, seed: int = 0, audio_every: int = 2, image_every: int = 3, silent_every: int = 4):
+        generator = torch.Generator().manual_seed(seed)
+        draw = lambda lo, hi, k: torch.randint(lo, hi, (k,), generator=generator).tolist()  # noqa: E731
+        self.rows = []
+        for i in range(n):
+            prompt, row = [], {}
+            if audio_every and i % audio_every == 0:
+                prompt += [AUDIO_START] + [AUDIO] * 4 + [AUDIO_END]  # 16 frames: 4 audio tokens
+                row |= {"input_features": torch.randn(16, 16, generator=generator),
+                        "feature_attention_mask": torch.ones(16, dtype=torch.long)}
+            if image_every and i % image_every == 0:
+                prompt += [VISION_START] + [IMAGE] * 4 + [VISION_END]  # 16 patches merged 2x2: 4 image tokens
+                row |= {"pixel_values": torch.randn(16, 12, generator=generator),
+                        "image_grid_thw": torch.tensor([1, 4, 4])}
+            prompt += draw(6, 99, 3)
+            reply = draw(6, 99, 1 + i % 4) + [REPLY_END]
+            silent = silent_every and i % silent_every == silent_every - 1
+            codes = [-100] * 6 if silent else draw(0, 124, 1 + i % 5) + [CODEC_END]
+            row |= {"input_ids": torch.tensor(prompt + reply), "labels": torch.tensor([-100] * len(prompt) + reply),
+                    "codec_ids": torch.tensor(codes), "speaker_token_ids": torch.tensor(SPEAKER)}
+            self.rows.append(row)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Text padded on the left (pad 0, labels -100, mask 0), codes on the right (-100); images' patches
+    concatenated with one grid row each; clips stacked with their frame masks."""
+    width = max(len(r["input_ids"]) for r in rows)
+    codes = max(len(r["codec_ids"]) for r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "codec_ids": torch.full((len(rows), codes), -100, dtype=torch.long),
+             "speaker_token_ids": torch.stack([r["speaker_token_ids"] for r in rows])}
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, width - n:] = row["input_ids"]
+        batch["labels"][i, width - n:] = row["labels"]
+        batch["attention_mask"][i, width - n:] = 1
+        batch["codec_ids"][i, :len(row["codec_ids"])] = row["codec_ids"]
+    images = [r for r in rows if "pixel_values" in r]
+    if images:
+        batch["pixel_values"] = torch.cat([r["pixel_values"] for r in images])
+        batch["image_grid_thw"] = torch.stack([r["image_grid_thw"] for r in images])
+    clips = [r for r in rows if "input_features" in r]
+    if clips:
+        batch["input_features"] = torch.stack([r["input_features"] for r in clips])
+        batch["feature_attention_mask"] = torch.stack([r["feature_attention_mask"] for r in clips])
+    return batch

@@ -1,0 +1,214 @@
+"""Released omni models adopted as they are (one process): Qwen2.5-Omni's thinker and talker trained jointly through
+the training step its class lacks (`hf_omni/adopt/omni/qwen2_5_omni.py`): the talker's layout equals the one its
+own `generate` builds (logits at every code), training equals a hand-written per-row loop, `loss/<module>` adds up
+to `loss`, and the export loads with the released class, its `generate` (text and speech) equal to the trained
+model's."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_args, step_losses
+from omni_models import QWEN2_5_OMNI, SPEAKER, OmniRows, collate, qwen2_5_omni
+
+from hf_omni import OmniModel, OmniTrainer
+
+FROZEN = {"audio": {"trainable": False}, "vision": {"trainable": False}, "token2wav": {"trainable": False}}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_the_talker_layout_equals_the_one_generate_builds():
+    """Greedy `generate` (text, then speech codes) on prompts with a clip and an image, one left-padded; the same
+    prompts, replies and codes through the training step: the talker's logits at every code equal generate's."""
+    released = qwen2_5_omni().eval()
+    model = OmniModel.from_model(released, modules=QWEN2_5_OMNI)
+    rows = OmniRows(2, seed=3, audio_every=1, image_every=2)
+    prompts = [{k: v for k, v in r.items()} for r in rows]
+    for row in prompts:  # the prompt alone
+        keep = row["labels"] == -100
+        row["input_ids"], row["labels"] = row["input_ids"][keep], row["labels"][keep]
+    batch = collate(prompts)
+    del batch["labels"], batch["codec_ids"], batch["speaker_token_ids"]
+    shown = {"thinker_pixel_values": batch["pixel_values"]}  # the release's generate hands unprefixed pixels to
+    captured = {}                                             # its talker too, which refuses them
+    talker_generate = released.talker.generate
+
+    def recording(*args, **kwargs):
+        out = talker_generate(*args, output_logits=True, return_dict_in_generate=True, **kwargs)
+        captured["codes"] = out.sequences[:, kwargs["input_ids"].shape[1]:]
+        captured["logits"] = torch.stack(out.logits, 1)
+        return out.sequences
+
+    released.talker.generate = recording
+    with torch.no_grad():
+        sequences, _ = released.generate(**{k: v for k, v in batch.items() if k != "pixel_values"}, **shown,
+                                         speaker="Tiny", thinker_max_new_tokens=5, thinker_do_sample=False,
+                                         talker_max_new_tokens=7, talker_do_sample=False, talker_eos_token_id=[125],
+                                         talker_repetition_penalty=1.0, token2wav_num_steps=2)
+    prompt_width = batch["input_ids"].shape[1]
+    replies, codes = sequences[:, prompt_width:], captured["codes"].clone()
+    for i in range(2):  # each row's reply up to its end-of-turn; its codes up to the codec end
+        ended = (replies[i] == 5).nonzero()
+        if len(ended):
+            replies[i, ended[0, 0] + 1:] = -100
+        ended = (codes[i] == 125).nonzero()
+        if len(ended):
+            codes[i, ended[0, 0] + 1:] = -100
+    answered = replies != -100
+    step = dict(batch, input_ids=torch.cat([batch["input_ids"], replies.clamp(min=0)], 1),
+                attention_mask=torch.cat([batch["attention_mask"], answered.long()], 1),
+                labels=torch.cat([torch.full_like(batch["input_ids"], -100), replies], 1), codec_ids=codes,
+                speaker_token_ids=torch.tensor([SPEAKER, SPEAKER]))
+    seen = []
+    hook = released.talker.codec_head.register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        out = model(**step)
+    hook.remove()
+    assert set(out.losses) == {"text", "codec"}
+    logits = seen[0]
+    for i in range(2):
+        n = int((codes[i] != -100).sum())
+        assert n >= 2
+        start = int(answered[i].long().argmax()) + prompt_width  # the talker's column of the reply's first token
+        # the columns after the reply's first token each predict the next code
+        got = logits[i, start + 1:start + 1 + n]
+        assert (got - captured["logits"][i, :n]).abs().max().item() <= 1e-5
+
+
+def reference_step(model, rows: list[dict], text_count, codec_count):
+    """Plain PyTorch on the released parts, row by row: the thinker on the collated batch; each row's talker input
+    concatenated from its own pieces (no padding), numbered by the talker's `get_rope_index` on that row alone."""
+    released = model.released
+    thinker, talker = released.thinker, released.talker
+    batch = collate(rows)
+    media = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
+             if k in batch}
+    out = thinker(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                  use_cache=False, **media)
+    labels = batch["labels"]
+    text = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
+    embeds = out.hidden_states[0].clone()
+    for token in (100, 101, 102):
+        embeds = torch.where((batch["input_ids"] == token)[..., None], torch.zeros_like(embeds), embeds)
+    states = out.hidden_states[-1] + embeds
+    word = lambda t: thinker.get_input_embeddings()(torch.tensor([t]))[0]  # noqa: E731
+    code = lambda t: talker.get_input_embeddings()(torch.tensor([t]))[0]  # noqa: E731
+    codec = torch.zeros(())
+    for i, row in enumerate(rows):
+        codes = row["codec_ids"][row["codec_ids"] != -100].tolist()
+        if not codes:
+            continue
+        width = batch["input_ids"].shape[1]
+        offset = width - len(row["input_ids"])
+        prompt = int((row["labels"] == -100).sum())
+        reply = len(row["input_ids"]) - prompt
+        s = offset + prompt
+        stream = [states[i, s + k] for k in range(1, reply - 1)] + [word(111)] + [word(112)] * len(codes)
+        pieces = [states[i, offset:s], (word(SPEAKER) + code(126))[None], (states[i, s] + code(124))[None]]
+        pieces += [(code(codes[k - 1]) + stream[k - 1])[None] for k in range(1, len(codes))]
+        x = torch.cat(pieces)[None]
+        ids = torch.tensor(row["input_ids"][:prompt].tolist() + [SPEAKER, int(row["input_ids"][prompt])]
+                           + [SPEAKER] * (len(codes) - 1))[None]
+        grid = row["image_grid_thw"][None] if "image_grid_thw" in row else None
+        lengths = row["feature_attention_mask"].sum()[None] if "feature_attention_mask" in row else None
+        positions, _ = talker.get_rope_index(ids, grid, None, torch.ones_like(ids), False, lengths, None)
+        logits = talker(inputs_embeds=x, position_ids=positions, attention_mask=torch.ones_like(ids),
+                        use_cache=False).logits[0, prompt + 1:]
+        codec = codec + F.cross_entropy(logits.float(), torch.tensor(codes), reduction="sum")
+    return text / text_count, codec / codec_count
+
+
+def test_thinker_and_talker_trained_jointly_equal_a_hand_written_loop(tmp_path):
+    """Towers and token2wav frozen, the thinker's LLM and the talker trained (their own rates) from rows of text,
+    image and audio prompts, some without speech; 2 accumulation micro-steps. Losses per step, `loss/<module>`, and
+    every weight after 4 steps against plain PyTorch."""
+    model = OmniModel.from_model(qwen2_5_omni(), modules=QWEN2_5_OMNI)
+    reference = copy.deepcopy(model)
+    rows = OmniRows(32)
+    modules = {**FROZEN, "llm": {"learning_rate": 1e-3}, "talker": {"learning_rate": 3e-3}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path, modules=modules, lr_scheduler_type="constant",
+                                                      max_grad_norm=0, per_device_train_batch_size=4,
+                                                      gradient_accumulation_steps=2),
+                          train_dataset=rows, data_collator=collate)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+
+    released = reference.released
+    released.requires_grad_(False)
+    groups = [{"params": list(reference.slots[name].module.parameters()), "lr": lr}
+              for name, lr in (("llm", 1e-3), ("talker", 3e-3))]
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    released.train()
+    for name in ("audio", "vision", "token2wav"):
+        reference.slots[name].module.eval()
+    expected = []
+    for start in range(0, 32, 8):
+        window = [rows[i] for i in range(start, start + 8)]
+        text_count = sum(int((r["labels"][1:] != -100).sum()) for r in window)
+        codec_count = sum(int((r["codec_ids"] != -100).sum()) for r in window)
+        parts = torch.zeros(2)
+        for micro in (window[:4], window[4:]):
+            text, codec = reference_step(reference, micro, text_count, codec_count)
+            (text + codec).backward()
+            parts += torch.stack([text.detach(), codec.detach()])
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(parts)
+    assert step_losses(trainer) == pytest.approx([float(p.sum()) for p in expected], abs=1e-5)
+    assert [e["loss/llm"] for e in logged] == pytest.approx([float(p[0]) for p in expected], abs=1e-5)
+    assert [e["loss/talker"] for e in logged] == pytest.approx([float(p[1]) for p in expected], abs=1e-5)
+    live, ref = model.released.state_dict(), released.state_dict()
+    assert max((live[k] - ref[k]).abs().max().item() for k in live) <= 1e-5
+    assert all(torch.equal(live[k], qwen2_5_omni().state_dict()[k]) for k in live if k.startswith("token2wav."))
+
+
+def test_lora_thinker_full_talker_export_loads_with_the_release_and_generates_the_same(tmp_path):
+    """LoRA on the thinker's LLM, the talker in full: the export (merged, the release's own format, its speakers'
+    `spk_dict.pt`) loads with `Qwen2_5OmniForConditionalGeneration.from_pretrained`; its text and speech
+    `generate` equal the trained model's."""
+    model = OmniModel.from_model(qwen2_5_omni(), modules=QWEN2_5_OMNI)
+    before = {k: v.clone() for k, v in model.released.state_dict().items()}
+    modules = {**FROZEN, "llm": {"lora": LORA, "learning_rate": 1e-2}, "talker": {"learning_rate": 1e-2}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path / "run", modules=modules),
+                          train_dataset=OmniRows(32), data_collator=collate)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "export"))
+    assert os.path.isfile(tmp_path / "export" / "spk_dict.pt")
+    cls = type(model.released)
+    reloaded = cls.from_pretrained(tmp_path / "export").eval()
+    state = reloaded.state_dict()
+    changed = {k.split(".")[0] for k in state if not torch.equal(state[k], before[k])}
+    assert changed == {"thinker", "talker"}  # LoRA merged into the thinker's LLM; the talker trained
+    assert all(torch.equal(state[k], before[k]) for k in state if k.startswith(("thinker.model.audio_tower",
+                                                                                  "thinker.model.visual")))
+    rows = OmniRows(2, seed=5, audio_every=1, image_every=1)
+    prompt = collate([rows[0]])
+    prompt = {k: v for k, v in prompt.items() if k not in ("labels", "codec_ids", "speaker_token_ids")}
+    prompt["thinker_pixel_values"] = prompt.pop("pixel_values")  # see the layout test
+    model.eval()
+    kwargs = dict(speaker="Tiny", thinker_max_new_tokens=4, thinker_do_sample=False, thinker_eos_token_id=5,
+                  talker_max_new_tokens=5, talker_do_sample=False, talker_eos_token_id=[125], token2wav_num_steps=2)
+    with torch.no_grad():
+        text = model.generate(**prompt, generation_mode="text", **kwargs)
+        assert torch.equal(text, reloaded.generate(**prompt, generation_mode="text", **kwargs))
+        torch.manual_seed(0)
+        sequences, wave = model.generate(**prompt, **kwargs)
+        torch.manual_seed(0)
+        sequences_again, wave_again = reloaded.generate(**prompt, **kwargs)
+    assert torch.equal(sequences, sequences_again) and wave.numel() > 0
+    assert (wave - wave_again).abs().max().item() <= 1e-5
+    again = OmniModel.from_pretrained(tmp_path / "export")
+    assert again.module_names == list(QWEN2_5_OMNI) and again.released.speaker_map.keys() == {"Tiny"}
+
+
+def test_codec_targets_without_a_talker_or_a_speaker_are_refused():
+    released = qwen2_5_omni()
+    model = OmniModel.from_model(released, modules=QWEN2_5_OMNI)
+    batch = collate([OmniRows(1)[0]])
+    with pytest.raises(ValueError, match="codec_ids need the reply they speak .* and speaker_token_ids"):
+        model(**{k: v for k, v in batch.items() if k != "speaker_token_ids"})
