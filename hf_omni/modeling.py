@@ -114,6 +114,10 @@ class OmniModel(ModelHooks, PreTrainedModel):
         """Target columns counted over the accumulation window and every rank -> the forward argument taking it."""
         return {}
 
+    def targets_in(self, column: str, value):
+        """How many targets a batch's `column` of `window_counts()` holds (those not -100)."""
+        return (value != -100).sum()
+
     def omni_modules(self) -> dict[str, nn.Module]:
         return {name: slot.module for name, slot in self.slots.items()}
 

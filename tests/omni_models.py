@@ -112,3 +112,77 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         batch["input_features"] = torch.stack([r["input_features"] for r in clips])
         batch["feature_attention_mask"] = torch.stack([r["feature_attention_mask"] for r in clips])
     return batch
+
+
+JANUS_IMAGE, JANUS_BOI, JANUS_TOKENS = 99, 98, 16  # 16x16 images: 16 patches read, 16 VQ tokens drawn
+JANUS = {"vision": "model.vision_model", "aligner": "model.aligner", "vq": "model.vqmodel",
+         "generation": ["model.generation_embeddings", "model.generation_aligner", "model.generation_head"],
+         "llm": ["model.language_model", "lm_head"]}
+
+
+def janus(seed: int = 0):
+    """Janus: a 2-layer SigLIP-style tower on 16x16 images, a VQ model (64 codes, 4x4 tokens), a 2-layer Llama
+    with its `lm_head` tied to the embeddings; `generate(generation_mode="image")` configured."""
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4,
+                  projection_dim=32, depth=2, num_image_tokens=JANUS_TOKENS, mlp_ratio=2.0)
+    vq = dict(embed_dim=8, num_embeddings=64, latent_channels=32, base_channels=32, channel_multiplier=[1, 1, 1],
+              num_res_blocks=1, num_patches=4, projection_dim=32, image_token_embed_dim=32, num_hidden_layers=1)
+    text = dict(model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=JANUS_IMAGE)
+    torch.manual_seed(seed)
+    model = JanusForConditionalGeneration(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.generation_kwargs = {"boi_token_id": JANUS_BOI, "num_image_tokens": JANUS_TOKENS}
+    return model
+
+
+class JanusRows(torch.utils.data.Dataset):
+    """`n` rows: every `draw_every`-th a generation row (a 3-5 token prompt ending in the begin-of-image token and
+    a 16x16 image to draw), the others understanding rows (an image's 16 tokens, 2 prompt tokens, a 2-4 token
+    caption as labels)."""
+
+    def __init__(self, n: int, seed: int = 0, draw_every: int = 2):
+        generator = torch.Generator().manual_seed(seed)
+        draw = lambda k: torch.randint(3, 90, (k,), generator=generator).tolist()  # noqa: E731
+        self.rows = []
+        for i in range(n):
+            image = torch.randn(3, 16, 16, generator=generator)
+            if draw_every and i % draw_every == 0:
+                self.rows.append({"generation_input_ids": torch.tensor(draw(2 + i % 3) + [JANUS_BOI]),
+                                  "generation_pixel_values": image})
+                continue
+            prompt, caption = [JANUS_IMAGE] * JANUS_TOKENS + draw(2), draw(2 + i % 3)
+            self.rows.append({"input_ids": torch.tensor(prompt + caption), "pixel_values": image,
+                              "labels": torch.tensor([-100] * len(prompt) + caption)})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def janus_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Understanding rows and generation rows, each kind's text padded on the left."""
+    batch = {}
+    for prefix, key in (("", "input_ids"), ("generation_", "generation_input_ids")):
+        kind = [r for r in rows if key in r]
+        if not kind:
+            continue
+        width = max(len(r[key]) for r in kind)
+        ids = torch.zeros(len(kind), width, dtype=torch.long)
+        mask = torch.zeros(len(kind), width, dtype=torch.long)
+        for i, row in enumerate(kind):
+            ids[i, width - len(row[key]):] = row[key]
+            mask[i, width - len(row[key]):] = 1
+        batch |= {key: ids, f"{prefix}attention_mask": mask,
+                  f"{prefix}pixel_values": torch.stack([r[f"{prefix}pixel_values"] for r in kind])}
+        if prefix == "":
+            labels = torch.full((len(kind), width), -100, dtype=torch.long)
+            for i, row in enumerate(kind):
+                labels[i, width - len(row["labels"]):] = row["labels"]
+            batch["labels"] = labels
+    return batch

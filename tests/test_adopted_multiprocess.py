@@ -28,6 +28,7 @@ KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava_sp2": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "qwen2_5_vl_sp2": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "qwen2_5_omni": {"audio": "fsdp", "vision": "none", "llm": "fsdp", "talker": "fsdp", "token2wav": "none"},
+         "janus": {"vision": "fsdp", "vq": "none", "aligner": "ddp", "generation": "fsdp", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
 
@@ -63,8 +64,12 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
         if family == "qwen2_5_omni":  # the release has no forward: its thinker's logits
             exported = exported.thinker
             batch = {k: v for k, v in batch.items() if k not in ("codec_ids", "speaker_token_ids")}
+        if family == "janus":  # the release's forward reads; the understanding rows (and positions, as the step)
+            batch = {k: v for k, v in batch.items() if not k.startswith("generation_")}
+            mask = batch["attention_mask"]
+            batch["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         assert (tokens_only(exported(**batch).logits, batch) - single["logits"]).abs().max() <= 1e-5
-    if family == "qwen2_5_omni":  # both losses logged, adding up to the loss; the same on both ranks
+    if family in ("qwen2_5_omni", "janus"):  # both losses logged, adding up to the loss; the same on both ranks
         for rank in ranks:
             assert [a + b for a, b in rank["parts"]] == pytest.approx(rank["losses"], abs=1e-5)
             assert sum(rank["parts"], []) == pytest.approx(sum(single["parts"], []), abs=1e-5)

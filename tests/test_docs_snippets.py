@@ -29,7 +29,7 @@ FRAGMENT = re.compile(r'^fragment of (\S+)$')
 
 def stand_ins(namespace: dict, text: str) -> None:
     """What the pages name without building it: the demo's modules and data at test size, and tiny released models
-    (`qwen`, `blip2`, `omni`) for the pages that use them."""
+    (`qwen`, `blip2`, `omni`, `janus`) for the pages that use them."""
     import torch
     from helpers import tiny_data, tiny_model
 
@@ -44,10 +44,11 @@ def stand_ins(namespace: dict, text: str) -> None:
     for name, family in (("qwen", "qwen2_5_vl"), ("blip2", "blip2")):
         if re.search(rf"\b{name}\b", text):
             namespace[name] = BUILDERS[family]()
-    if re.search(r"\bomni\b", text):
-        from omni_models import qwen2_5_omni
+    import omni_models
 
-        namespace["omni"] = qwen2_5_omni()
+    for name, build in (("omni", omni_models.qwen2_5_omni), ("janus", omni_models.janus)):
+        if re.search(rf"\b{name}\b", text):
+            namespace[name] = build()
 
 
 def fragment_lines(path: Path) -> set[str]:

@@ -1,17 +1,21 @@
-"""Released omni models adopted as they are (one process): Qwen2.5-Omni's thinker and talker trained jointly through
-the training step its class lacks (`hf_omni/adopt/omni/qwen2_5_omni.py`): the talker's layout equals the one its
-own `generate` builds (logits at every code), training equals a hand-written per-row loop, `loss/<module>` adds up
-to `loss`, and the export loads with the released class, its `generate` (text and speech) equal to the trained
-model's."""
+"""Released omni models adopted as they are (one process), through the training steps their classes lack
+(`hf_omni/adopt/omni/`): Qwen2.5-Omni's thinker and talker trained jointly, Janus' understanding and image
+generation from mixed batches. Each step's layout equals the one the release's own `generate` builds (logits at
+every generated token), training equals a hand-written per-row loop, `loss/<module>` adds up to `loss`, and the
+export loads with the released class, its `generate` equal to the trained model's."""
 
 import copy
+import json
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import make_args, step_losses
-from omni_models import QWEN2_5_OMNI, SPEAKER, OmniRows, collate, qwen2_5_omni
+from omni_models import (
+    JANUS, JANUS_BOI, JANUS_TOKENS, QWEN2_5_OMNI, SPEAKER, JanusRows, OmniRows, collate, janus, janus_collate,
+    qwen2_5_omni,
+)
 
 from hf_omni import OmniModel, OmniTrainer
 
@@ -212,3 +216,124 @@ def test_codec_targets_without_a_talker_or_a_speaker_are_refused():
     batch = collate([OmniRows(1)[0]])
     with pytest.raises(ValueError, match="codec_ids need the reply they speak .* and speaker_token_ids"):
         model(**{k: v for k, v in batch.items() if k != "speaker_token_ids"})
+
+
+def test_the_janus_image_layout_equals_the_one_generate_builds():
+    """Greedy `generate(generation_mode="image")` on two prompts (one left-padded); the prompts and the drawn tokens
+    through the training step: `generation_head`'s scores at every image token equal generate's."""
+    released = janus().eval()
+    model = OmniModel.from_model(released, modules=JANUS)
+    prompts = janus_collate([{"generation_input_ids": torch.tensor([5, 6, 7, JANUS_BOI]),
+                              "generation_pixel_values": torch.zeros(3, 16, 16)},
+                             {"generation_input_ids": torch.tensor([8, 9, JANUS_BOI]),
+                              "generation_pixel_values": torch.zeros(3, 16, 16)}])
+    seen = []
+    hook = released.model.generation_head.register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        drawn = released.generate(prompts["generation_input_ids"], attention_mask=prompts["generation_attention_mask"],
+                                  generation_mode="image", do_sample=False, guidance_scale=2.0)
+        steps = torch.stack([scores[:2] for scores in seen], 1)  # the conditional half of each step's batch
+        seen.clear()
+        out = model(generation_input_ids=prompts["generation_input_ids"],
+                    generation_attention_mask=prompts["generation_attention_mask"], generation_image_ids=drawn)
+    hook.remove()
+    assert drawn.shape == (2, JANUS_TOKENS) and set(out.losses) == {"image"}
+    assert (seen[0] - steps).abs().max().item() <= 1e-5
+
+
+def janus_reference(model, rows: list[dict], text_count, image_count):
+    """Plain PyTorch, each kind of row on its own: understanding rows through the release's own forward (positions
+    from the mask), each generation row alone, unpadded: its prompt's embeddings, its image tokens' generation
+    embeddings, the language model, `generation_head`."""
+    released = model.released
+    reading = [r for r in rows if "input_ids" in r]
+    text = torch.zeros(())
+    if reading:
+        batch = janus_collate(reading)
+        mask = batch["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        text = released(**batch, position_ids=positions, num_items_in_batch=text_count, use_cache=False).loss
+    image = torch.zeros(())
+    for row in rows:
+        if "generation_input_ids" not in row:
+            continue
+        with torch.no_grad():
+            tokens = released.model.vqmodel.encode(row["generation_pixel_values"][None]).image_tokens.view(1, -1)
+        embeds = torch.cat([released.get_input_embeddings()(row["generation_input_ids"][None]),
+                            released.prepare_embeddings_for_image_generation(tokens[:, :-1])], 1)
+        hidden = released.model.language_model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        scores = released.model.generation_head(hidden[0, -JANUS_TOKENS:])
+        image = image + F.cross_entropy(scores.float(), tokens[0], reduction="sum")
+    return text, image / image_count
+
+
+def test_janus_understanding_and_generation_rows_equal_a_hand_written_loop(tmp_path):
+    """Mixed batches of captioning rows and drawing rows; vision tower and VQ model frozen, the aligner, the
+    generation heads and the language model trained at their own rates: losses, `loss/<module>` and every weight
+    after 4 steps against plain PyTorch."""
+    model = OmniModel.from_model(janus(), modules=JANUS)
+    reference = copy.deepcopy(model)
+    rows = JanusRows(32)
+    rates = {"aligner": 1e-2, "generation": 3e-3, "llm": 1e-3}
+    modules = {"vision": {"trainable": False}, "vq": {"trainable": False},
+               **{name: {"learning_rate": lr} for name, lr in rates.items()}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path, modules=modules, lr_scheduler_type="constant",
+                                                      max_grad_norm=0),
+                          train_dataset=rows, data_collator=janus_collate)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+
+    released = reference.released
+    released.requires_grad_(False)
+    groups = [{"params": list(reference.slots[name].module.parameters()), "lr": lr} for name, lr in rates.items()]
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    released.train()
+    for name in ("vision", "vq"):
+        reference.slots[name].module.eval()
+    expected = []
+    for start in range(0, 32, 8):
+        window = [rows[i] for i in range(start, start + 8)]
+        text_count = sum(int((r["labels"][1:] != -100).sum()) for r in window if "labels" in r)
+        image_count = JANUS_TOKENS * sum("generation_input_ids" in r for r in window)
+        text, image = janus_reference(reference, window, text_count, image_count)
+        (text + image).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append((float(text), float(image)))
+    assert step_losses(trainer) == pytest.approx([a + b for a, b in expected], abs=1e-5)
+    assert [e["loss/llm"] for e in logged] == pytest.approx([a for a, _ in expected], abs=1e-5)
+    assert [e["loss/generation"] for e in logged] == pytest.approx([b for _, b in expected], abs=1e-5)
+    live, ref = model.released.state_dict(), released.state_dict()
+    assert max((live[k] - ref[k]).abs().max().item() for k in live) <= 1e-5
+    fresh = janus().state_dict()
+    assert all(torch.equal(live[k], fresh[k]) for k in live if k.startswith(("model.vqmodel.", "model.vision_model.")))
+
+
+def test_janus_export_loads_with_the_release_and_draws_the_same(tmp_path):
+    """LoRA on the language model, the generation heads trained: the export loads with
+    `JanusForConditionalGeneration.from_pretrained`; its image and text `generate` equal the trained model's."""
+    model = OmniModel.from_model(janus(), modules=JANUS)
+    modules = {"vision": {"trainable": False}, "vq": {"trainable": False}, "aligner": {"learning_rate": 1e-2},
+               "generation": {"learning_rate": 1e-2}, "llm": {"lora": LORA, "learning_rate": 1e-2}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path / "run", modules=modules),
+                          train_dataset=JanusRows(32), data_collator=janus_collate)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "export"))
+    reloaded = type(model.released).from_pretrained(tmp_path / "export").eval()
+    saved = json.load(open(tmp_path / "export" / "generation_config.json"))["generation_kwargs"]
+    assert saved == {"boi_token_id": JANUS_BOI, "num_image_tokens": JANUS_TOKENS}
+    reloaded.generation_config.generation_kwargs = saved  # written, but not read back by from_pretrained (5.23-5.25)
+    model.eval()
+    prompt = torch.tensor([[5, 6, 7, JANUS_BOI]])
+    reading = janus_collate([JanusRows(2)[1]])
+    with torch.no_grad():
+        kwargs = dict(attention_mask=torch.ones_like(prompt), generation_mode="image", do_sample=False)
+        drawn = model.generate(prompt, **kwargs)
+        assert torch.equal(drawn, reloaded.generate(prompt, **kwargs))
+        assert reloaded.decode_image_tokens(drawn).shape == (1, 16, 16, 3)
+        text = dict(max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(**{k: v for k, v in reading.items() if k != "labels"}, **text),
+                           reloaded.generate(**{k: v for k, v in reading.items() if k != "labels"}, **text))

@@ -128,6 +128,9 @@ class AdoptedModel(OmniModel):
         """A step's target columns -> the argument taking their count over the accumulation window and every rank."""
         return dict(self.released_step.counts) if self.released_step is not None else {}
 
+    def targets_in(self, column: str, value):
+        return self.released_step.targets_in(column, value)
+
     def generate(self, *args, **kwargs):
         return self.released.generate(*args, **kwargs)
 

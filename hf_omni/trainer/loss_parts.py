@@ -12,13 +12,13 @@ import torch
 
 
 def count_targets(model, batches: list, accelerator, args) -> None:
-    """Each of the model's `window_counts()` columns counted over the window's batches (targets not -100), summed
+    """Each of the model's `window_counts()` columns counted over the window's batches (`targets_in`), summed
     over the ranks as Trainer sums `num_items_in_batch`, and handed to every batch holding the column."""
     for column, argument in model.window_counts().items():
         holding = [b for b in batches if column in b and b[column] is not None]
         if not holding:
             continue
-        count = sum((b[column] != -100).sum() for b in holding)
+        count = sum(model.targets_in(column, b[column]) for b in holding)
         if args.average_tokens_across_devices and args.world_size > 1:
             count = accelerator.gather(count.to(accelerator.device)).sum()
         for batch in holding:

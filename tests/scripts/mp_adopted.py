@@ -25,6 +25,9 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
   and talker (trained fully under FSDP) trained jointly from rows of text, image and audio prompts with speech codes
   (`adopt/omni/qwen2_5_omni.py`'s step), token2wav frozen and never wrapped; its codec loss normalised over both
   ranks' codes;
+- janus: Janus' understanding rows and image generation rows in every batch (`adopt/omni/janus.py`'s step), the
+  vision tower frozen under FSDP, the VQ model frozen, the aligner under DDP, the generation heads under FSDP, LoRA
+  language model under FSDP;
 - lacking: rank 0's batch has images, rank 1's has none: every rank raises the same error.
 """
 
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from helpers import full_state, make_args
 from launching import end_distributed
-from omni_models import QWEN2_5_OMNI, OmniRows, qwen2_5_omni
+from omni_models import JANUS, QWEN2_5_OMNI, JanusRows, OmniRows, janus, janus_collate, qwen2_5_omni
 from omni_models import collate as omni_collate
 from released_models import BUILDERS, BUILT, MODULES, TIED_OUTSIDE, Rows, collate
 
@@ -88,6 +91,10 @@ CASES = {
                                       "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"},
                                       "talker": {"learning_rate": 1e-3, "parallel": "fsdp"},
                                       "token2wav": {"trainable": False}}, dict(mapping=QWEN2_5_OMNI)),
+    "janus": ("janus", {"vision": {"trainable": False, "parallel": "fsdp"}, "vq": {"trainable": False},
+                        "aligner": {"learning_rate": 1e-2, "parallel": "ddp"},
+                        "generation": {"learning_rate": 1e-2, "parallel": "fsdp"},
+                        "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"}}, dict(mapping=JANUS)),
     "empty_init": ("qwen2_5_vl", {"vision": {"trainable": False, "parallel": "fsdp"},
                                   "projector": {"learning_rate": 1e-2, "parallel": "fsdp"},
                                   "llm": {"learning_rate": 1e-3, "parallel": "fsdp"}}, dict(empty_init=True)),
@@ -104,8 +111,9 @@ def released_folder(out_dir: str, family: str) -> str:
     return folder
 
 
-BUILDERS_ALL = {**BUILT, "qwen2_5_omni": qwen2_5_omni}
-COLLATE = {"qwen2_5_omni": omni_collate}
+BUILDERS_ALL = {**BUILT, "qwen2_5_omni": qwen2_5_omni, "janus": janus}
+COLLATE = {"qwen2_5_omni": omni_collate, "janus": janus_collate}
+PARTS = {"qwen2_5_omni": ("llm", "talker"), "janus": ("llm", "generation")}  # each loss's module
 ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows", "mrope")
 
 
@@ -115,6 +123,8 @@ def case_rows(family: str, model, extra: dict) -> Rows:
     rank's batch of these must pad as the one-process batch does)."""
     if family == "qwen2_5_omni":
         return OmniRows(32)
+    if family == "janus":
+        return JanusRows(32)
     rows = Rows(family, model, 32, text_only_every=extra.get("text_only_every", 0),
                 wide_every=extra.get("wide_every", 0), mrope=extra.get("mrope", False))
     for i in extra.get("text_only_rows", []):
@@ -153,7 +163,7 @@ def run(out_dir: str, name: str, family: str, modules: dict, extra: dict, world:
     logged = trainer.state.log_history
     result = {"read": READ["bytes"] - read_before, "losses": [e["loss"] for e in logged if "loss" in e],
               "kinds": {n: s.kind for n, s in model.slots.items()}, "state": full_state(model),
-              "parts": [[e[f"loss/{m}"] for m in ("llm", "talker")] for e in logged if "loss/talker" in e]}
+              "parts": [[e[f"loss/{m}"] for m in PARTS[family]] for e in logged if "loss" in e and family in PARTS]}
     if resume:
         again = case_trainer(os.path.join(out_dir, name, "resumed"), family, modules, extra, world, seed=7)
         again.train(resume_from_checkpoint=os.path.join(out_dir, name, "checkpoint-2"))

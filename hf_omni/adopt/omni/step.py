@@ -39,6 +39,10 @@ class ReleasedStep:
     def forward(self, **batch):  # pragma: no cover - each family's
         raise NotImplementedError
 
+    def targets_in(self, column: str, value: torch.Tensor) -> torch.Tensor:
+        """How many targets a batch's `column` holds (those not -100, unless the family says otherwise)."""
+        return (value != -100).sum()
+
     def save_files(self, folder: str) -> None:
         """Files the released class's `from_pretrained` reads that its `save_pretrained` does not write (main
         process, beside the released files)."""
