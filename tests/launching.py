@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +33,16 @@ def launch(script: str, *args: str, processes: int = 2, timeout: int = 600, env_
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            os.path.join(SCRIPTS, script), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env=subprocess_env(**(env_extra or {})))
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env(**(env_extra or {})), start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the ranks and their children too, not only the launcher
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        sys.stderr.write(out[-6000:] + err[-12000:])
+        raise AssertionError(f"{script} timed out after {timeout} s at {processes} ranks (its process group killed)")
+    result = subprocess.CompletedProcess(cmd, process.returncode, out, err)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-12000:])
         raise AssertionError(f"{script} failed at {processes} ranks (exit {result.returncode})")

@@ -88,14 +88,14 @@ class OmniRows(torch.utils.data.Dataset):
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Text padded on the left (pad 0, labels -100, mask 0), codes on the right (-100); images' patches
-    concatenated with one grid row each; clips stacked with their frame masks."""
+    """Text padded on the left (pad 0, labels -100, mask 0), codes (or frames of codes) on the right (-100); images'
+    patches concatenated with one grid row each; clips stacked with their frame masks."""
     width = max(len(r["input_ids"]) for r in rows)
     codes = max(len(r["codec_ids"]) for r in rows)
     batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
              "labels": torch.full((len(rows), width), -100, dtype=torch.long),
              "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "codec_ids": torch.full((len(rows), codes), -100, dtype=torch.long),
+             "codec_ids": torch.full((len(rows), codes, *rows[0]["codec_ids"].shape[1:]), -100, dtype=torch.long),
              "speaker_token_ids": torch.stack([r["speaker_token_ids"] for r in rows])}
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
@@ -186,3 +186,102 @@ def janus_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
                 labels[i, width - len(row["labels"]):] = row["labels"]
             batch["labels"] = labels
     return batch
+
+
+Q3_IM_START, Q3_IM_END, Q3_USER, Q3_ASSISTANT, Q3_NEWLINE = 150, 151, 156, 157, 10
+Q3_AUDIO, Q3_IMAGE, Q3_VISION_START, Q3_AUDIO_START, Q3_AUDIO_END, Q3_VISION_END = 140, 141, 143, 144, 145, 146
+Q3_SPEAKER, Q3_CODEC_END, Q3_GROUPS = 1096, 1090, 3
+QWEN3_OMNI = {"audio": "thinker.model.audio_tower", "vision": "thinker.model.visual",
+              "llm": ["thinker.model.language_model", "thinker.lm_head"],
+              "talker": ["talker.model", "talker.text_projection", "talker.hidden_projection", "talker.codec_head",
+                         "talker.code_predictor.model", "talker.code_predictor.lm_head"],
+              "code2wav": "code2wav"}
+
+
+def qwen3_omni(seed: int = 0):
+    """Qwen3-Omni-MoE: thinker (2-layer audio tower, 2-block vision tower with a deepstack layer, 2-layer MoE LLM
+    with 4 experts), talker (2-layer MoE, 1100 first-codebook codes: `generate` suppresses the top 1024 but the end
+    token), a 1-layer code predictor for 2 more codebooks, a small code2wav; one speaker. The fields the config
+    classes do not declare but the models read (`spatial_merge_size`, `shared_expert_intermediate_size`, the
+    talker's `audio_config`) are set."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True}
+    audio = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                 max_source_positions=64, n_window=50, output_dim=32, n_window_infer=100, conv_chunksize=8,
+                 downsample_hidden_size=8)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=1, out_hidden_size=32, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0])
+    moe = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=16)
+    text = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                rope_parameters={**rope, "mrope_section": [4, 2, 2]}, **moe)
+    tokens = dict(audio_token_id=Q3_AUDIO, image_token_id=Q3_IMAGE, video_token_id=142,
+                  vision_start_token_id=Q3_VISION_START, audio_start_token_id=Q3_AUDIO_START)
+    thinker = dict(audio_config=audio, vision_config=vision, text_config=text, user_token_id=Q3_USER, **tokens)
+    talker_text = dict(vocab_size=1100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                       rope_parameters={**rope, "mrope_section": [2, 1, 1]}, **moe)
+    predictor = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_code_groups=Q3_GROUPS)
+    talker = dict(code_predictor_config=predictor, text_config=talker_text, num_code_groups=Q3_GROUPS,
+                  thinker_hidden_size=32, codec_eos_token_id=Q3_CODEC_END, accept_hidden_layer=1,
+                  codec_nothink_id=1091, codec_think_bos_id=1092, codec_think_eos_id=1093, codec_pad_id=1094,
+                  codec_bos_id=1095, speaker_id={"tiny": Q3_SPEAKER}, spatial_merge_size=2, **tokens)
+    code2wav = dict(codebook_size=128, hidden_size=16, max_position_embeddings=64, num_attention_heads=2,
+                    num_key_value_heads=2, intermediate_size=32, num_hidden_layers=1, num_quantizers=Q3_GROUPS,
+                    upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=16, sliding_window=8)
+    config = Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
+                                im_start_token_id=Q3_IM_START, im_end_token_id=Q3_IM_END, tts_pad_token_id=152,
+                                tts_bos_token_id=153, tts_eos_token_id=154, system_token_id=155,
+                                user_token_id=Q3_USER, assistant_token_id=Q3_ASSISTANT)
+    config.talker_config.audio_config = config.thinker_config.audio_config  # its get_rope_index reads it (undeclared)
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(config)
+    with torch.no_grad():  # a build from the config leaves the talker's experts as allocated (torch.empty): drawn here
+        for name, p in model.talker.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, config.talker_config.text_config.initializer_range)
+    return model
+
+
+class Qwen3OmniRows(torch.utils.data.Dataset):
+    """`n` chat rows: a system turn, a user turn (every `audio_every`-th with a 16-frame clip, every `image_every`-th
+    with a 4x4-patch image, and 2-3 text tokens), the assistant header, a reply of 2-5 tokens ending in
+    `<|im_end|>`; 2-5 frames of 3 codebooks of speech codes (the last frame: the codec end token, its other
+    codebooks absent), every `silent_every`-th row none."""
+
+    def __init__(self, n: int, seed: int = 0, audio_every: int = 2, image_every: int = 3, silent_every: int = 4):
+        generator = torch.Generator().manual_seed(seed)
+        draw = lambda lo, hi, k: torch.randint(lo, hi, (k,), generator=generator).tolist()  # noqa: E731
+        self.rows = []
+        for i in range(n):
+            user, row = [Q3_IM_START, Q3_USER, Q3_NEWLINE], {}
+            if audio_every and i % audio_every == 0:
+                user += [Q3_AUDIO_START] + [Q3_AUDIO] * 2 + [Q3_AUDIO_END]  # 16 frames: 2 audio tokens
+                row |= {"input_features": torch.randn(16, 16, generator=generator),
+                        "feature_attention_mask": torch.ones(16, dtype=torch.long)}
+            if image_every and i % image_every == 0:
+                user += [Q3_VISION_START] + [Q3_IMAGE] * 4 + [Q3_VISION_END]
+                row |= {"pixel_values": torch.randn(16, 12, generator=generator),
+                        "image_grid_thw": torch.tensor([1, 4, 4])}
+            user += draw(20, 99, 2 + i % 2) + [Q3_IM_END, Q3_NEWLINE]
+            prompt = [Q3_IM_START, 155, Q3_NEWLINE, 11, Q3_IM_END, Q3_NEWLINE] + user + [Q3_IM_START, Q3_ASSISTANT,
+                                                                                          Q3_NEWLINE]
+            reply = draw(20, 99, 1 + i % 4) + [Q3_IM_END]
+            codes = torch.full((5, Q3_GROUPS), -100)
+            if not (silent_every and i % silent_every == silent_every - 1):
+                frames = 1 + i % 4
+                codes[:frames, 0] = torch.randint(0, 76, (frames,), generator=generator)
+                codes[:frames, 1:] = torch.randint(0, 64, (frames, Q3_GROUPS - 1), generator=generator)
+                codes[frames, 0] = Q3_CODEC_END
+            row |= {"input_ids": torch.tensor(prompt + reply), "labels": torch.tensor([-100] * len(prompt) + reply),
+                    "codec_ids": codes, "speaker_token_ids": torch.tensor(Q3_SPEAKER)}
+            self.rows.append(row)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]

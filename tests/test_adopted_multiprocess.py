@@ -28,6 +28,7 @@ KINDS = {"qwen2_5_vl": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "llava_sp2": {"vision": "fsdp", "projector": "ddp", "llm": "fsdp"},
          "qwen2_5_vl_sp2": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"},
          "qwen2_5_omni": {"audio": "fsdp", "vision": "none", "llm": "fsdp", "talker": "fsdp", "token2wav": "none"},
+         "qwen3_omni": {"audio": "fsdp", "vision": "none", "llm": "fsdp", "talker": "fsdp", "code2wav": "none"},
          "janus": {"vision": "fsdp", "vq": "none", "aligner": "ddp", "generation": "fsdp", "llm": "fsdp"},
          "empty_init": {"vision": "fsdp", "projector": "fsdp", "llm": "fsdp"}}
 
@@ -61,7 +62,7 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
     rows = case_rows(family, exported, extra)
     with torch.no_grad():
         batch = COLLATE.get(family, collate)([rows[i] for i in range(4)])
-        if family == "qwen2_5_omni":  # the release has no forward: its thinker's logits
+        if family in ("qwen2_5_omni", "qwen3_omni"):  # the release has no forward: its thinker's logits
             exported = exported.thinker
             batch = {k: v for k, v in batch.items() if k not in ("codec_ids", "speaker_token_ids")}
         if family == "janus":  # the release's forward reads; the understanding rows (and positions, as the step)
@@ -69,7 +70,8 @@ def test_two_ranks_equal_one_process(results, tmp_path, case):
             mask = batch["attention_mask"]
             batch["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         assert (tokens_only(exported(**batch).logits, batch) - single["logits"]).abs().max() <= 1e-5
-    if family in ("qwen2_5_omni", "janus"):  # both losses logged, adding up to the loss; the same on both ranks
+    if family in ("qwen2_5_omni", "qwen3_omni", "janus"):  # both losses logged, adding up to the loss, equal on
+        # both ranks
         for rank in ranks:
             assert [a + b for a, b in rank["parts"]] == pytest.approx(rank["losses"], abs=1e-5)
             assert sum(rank["parts"], []) == pytest.approx(sum(single["parts"], []), abs=1e-5)

@@ -29,7 +29,7 @@ FRAGMENT = re.compile(r'^fragment of (\S+)$')
 
 def stand_ins(namespace: dict, text: str) -> None:
     """What the pages name without building it: the demo's modules and data at test size, and tiny released models
-    (`qwen`, `blip2`, `omni`, `janus`) for the pages that use them."""
+    (`qwen`, `blip2`, `omni`, `omni3`, `janus`) for the pages that use them."""
     import torch
     from helpers import tiny_data, tiny_model
 
@@ -46,7 +46,8 @@ def stand_ins(namespace: dict, text: str) -> None:
             namespace[name] = BUILDERS[family]()
     import omni_models
 
-    for name, build in (("omni", omni_models.qwen2_5_omni), ("janus", omni_models.janus)):
+    for name, build in (("omni", omni_models.qwen2_5_omni), ("omni3", omni_models.qwen3_omni),
+                        ("janus", omni_models.janus)):
         if re.search(rf"\b{name}\b", text):
             namespace[name] = build()
 

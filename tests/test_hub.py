@@ -383,3 +383,25 @@ def test_an_adopted_model_refuses_a_per_module_layout_before_any_compute(tmp_pat
     with pytest.raises(ValueError, match="an adopted model is pushed as one repo in its released format: leave "
                                          "hub_layout unset"):
         adopted_trainer(tmp_path, hub_layout="per_module")
+
+
+def test_an_adopted_omni_model_pushes_its_speakers_and_loads_back_with_the_release(hub, tmp_path):
+    """Qwen2.5-Omni pushed as one repo in its released format with `spk_dict.pt` (its `from_pretrained` refuses a
+    repo without it): the release class and `OmniModel.from_pretrained` load it from the Hub, speakers included."""
+    from omni_models import QWEN2_5_OMNI, OmniRows, qwen2_5_omni
+    from omni_models import collate as omni_collate
+
+    model = OmniModel.from_model(qwen2_5_omni(), modules=QWEN2_5_OMNI)
+    modules = {"audio": {"trainable": False}, "vision": {"trainable": False}, "token2wav": {"trainable": False},
+               "llm": {"learning_rate": 1e-2}, "talker": {"learning_rate": 1e-2}}
+    run = OmniTrainer(model=model, args=make_args(tmp_path, modules=modules, push_to_hub=True, max_steps=2,
+                                                  hub_model_id="org/omni-ft"),
+                      train_dataset=OmniRows(16), data_collator=omni_collate)
+    run.train()
+    run.push_to_hub(blocking=True)
+    assert "spk_dict.pt" in hub.files("org/omni-ft")
+    released = type(model.released).from_pretrained("org/omni-ft")
+    assert released.speaker_map.keys() == {"Tiny"}
+    live = model.released.state_dict()
+    assert all(torch.equal(v, live[k]) for k, v in released.state_dict().items())
+    assert OmniModel.from_pretrained("org/omni-ft").released.speaker_map.keys() == {"Tiny"}

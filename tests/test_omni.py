@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from helpers import make_args, step_losses
 from omni_models import (
-    JANUS, JANUS_BOI, JANUS_TOKENS, QWEN2_5_OMNI, SPEAKER, JanusRows, OmniRows, collate, janus, janus_collate,
-    qwen2_5_omni,
+    JANUS, JANUS_BOI, JANUS_TOKENS, Q3_CODEC_END, Q3_GROUPS, Q3_IM_END, Q3_SPEAKER, QWEN2_5_OMNI, QWEN3_OMNI, SPEAKER,
+    JanusRows, OmniRows, Qwen3OmniRows, collate, janus, janus_collate, qwen2_5_omni, qwen3_omni,
 )
 
 from hf_omni import OmniModel, OmniTrainer
@@ -337,3 +337,243 @@ def test_janus_export_loads_with_the_release_and_draws_the_same(tmp_path):
         text = dict(max_new_tokens=3, do_sample=False)
         assert torch.equal(model.generate(**{k: v for k, v in reading.items() if k != "labels"}, **text),
                            reloaded.generate(**{k: v for k, v in reading.items() if k != "labels"}, **text))
+
+
+def test_the_qwen3_talker_layout_equals_the_one_generate_builds():
+    """Greedy speech `generate` on two chat prompts with a clip and an image (one left-padded); the prompts,
+    replies and every codebook's codes through the training step: the talker's first-codebook logits and the code
+    predictor's logits for every other codebook equal generate's, frame by frame."""
+    released = qwen3_omni().eval()
+    model = OmniModel.from_model(released, modules=QWEN3_OMNI)
+    rows = Qwen3OmniRows(2, seed=3, audio_every=1, image_every=2)
+    prompts = []
+    for row in rows:
+        keep = row["labels"] == -100
+        prompts.append(dict(row, input_ids=row["input_ids"][keep], labels=row["labels"][keep]))
+    batch = collate(prompts)
+    for key in ("labels", "codec_ids", "speaker_token_ids"):
+        del batch[key]
+    heads = {"first": [], **{g: [] for g in range(1, Q3_GROUPS)}}
+    hooks = [released.talker.codec_head.register_forward_hook(lambda m, a, out: heads["first"].append(out[:, -1]))]
+    for g in range(1, Q3_GROUPS):
+        hooks.append(released.talker.code_predictor.lm_head[g - 1].register_forward_hook(
+            lambda m, a, out, g=g: heads[g].append(out[:, -1])))
+    predicted = []
+    predictor_generate = released.talker.code_predictor.generate
+
+    def recording(*args, **kwargs):
+        out = predictor_generate(*args, **kwargs)
+        predicted.append(out.sequences[:, -(Q3_GROUPS - 1):])
+        return out
+
+    released.talker.code_predictor.generate = recording
+    talker_generate = released.talker.generate
+
+    def talking(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        predicted.insert(0, out.sequences)  # the first codebook's codes, as fed back
+        return out
+
+    released.talker.generate = talking
+    with torch.no_grad():
+        sequences, _ = released.generate(**batch, speaker="tiny", thinker_max_new_tokens=5,  # rows of one length
+                                         thinker_do_sample=False, thinker_eos_token_id=Q3_IM_END,
+                                         thinker_suppress_tokens=list(range(140, 160)),  # no media, no end:
+                                         talker_max_new_tokens=6, talker_do_sample=False,
+                                         talker_repetition_penalty=1.0)
+    for hook in hooks:
+        hook.remove()
+    first = torch.stack(heads["first"], 1)  # (rows, frames, codes): one per talker step
+    drawn = {g: torch.stack(heads[g], 1) for g in range(1, Q3_GROUPS)}  # (rows, frames - 1, codes)
+    codes = torch.full((2, first.shape[1], Q3_GROUPS), -100)
+    codes[..., 0] = predicted[0][:, -first.shape[1]:]
+    for k, residual in enumerate(predicted[1:]):  # frame k's other codebooks, drawn at step k + 1
+        codes[:, k, 1:] = residual
+    prompt_width = batch["input_ids"].shape[1]
+    replies = sequences[:, prompt_width:].clone()
+    for i in range(2):
+        ended = (replies[i] == Q3_IM_END).nonzero()
+        if len(ended):
+            replies[i, ended[0, 0] + 1:] = -100
+        ended = (codes[i, :, 0] == Q3_CODEC_END).nonzero()
+        if len(ended):
+            codes[i, ended[0, 0] + 1:] = -100
+            codes[i, ended[0, 0], 1:] = -100
+    answered = replies != -100
+    step = dict(batch, input_ids=torch.cat([batch["input_ids"], replies.clamp(min=0)], 1),
+                attention_mask=torch.cat([batch["attention_mask"], answered.long()], 1),
+                labels=torch.cat([torch.full_like(batch["input_ids"], -100), replies], 1), codec_ids=codes,
+                speaker_token_ids=torch.tensor([Q3_SPEAKER, Q3_SPEAKER]))
+    for key in heads:
+        heads[key].clear()
+    hooks = [released.talker.codec_head.register_forward_hook(lambda m, a, out: heads["first"].append(out))]
+    for g in range(1, Q3_GROUPS):
+        hooks.append(released.talker.code_predictor.lm_head[g - 1].register_forward_hook(
+            lambda m, a, out, g=g: heads[g].append(out)))
+    with torch.no_grad():
+        out = model(**step)
+    for hook in hooks:
+        hook.remove()
+    assert set(out.losses) == {"text", "codec"}
+    for i in range(2):
+        frames = int((codes[i, :, 0] != -100).sum())
+        assert frames >= 2
+        assert (heads["first"][0][i, :frames] - first[i, :frames]).abs().max().item() <= 1e-5
+        for g in range(1, Q3_GROUPS):  # the frames whose other codebooks generate drew
+            trained = heads[g][0].view(2, codes.shape[1], -1)[i, :frames - 1]
+            assert (trained - drawn[g][i, :frames - 1]).abs().max().item() <= 1e-5
+
+
+def qwen3_reference(model, rows: list[dict], text_count, codec_count):
+    """Plain PyTorch on the released parts, row by row: the thinker on the collated batch; each row's talker
+    sequence assembled piece by piece from its own tokens (its user turns found by walking the turns), unpadded;
+    each frame's other codebooks from the code predictor on [predicting state, code 0, code 1, ...]."""
+    released = model.released
+    thinker, talker, config = released.thinker, released.talker, released.config
+    t = config.talker_config
+    batch = collate(rows)
+    media = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
+             if k in batch}
+    out = thinker(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                  use_cache=False, **media)
+    labels = batch["labels"]
+    text = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
+    embeds, states = out.hidden_states[0], out.hidden_states[t.accept_hidden_layer]
+    word = lambda i: talker.text_projection(thinker.get_input_embeddings()(torch.tensor([i])))[0]  # noqa: E731
+    code = lambda i: talker.get_input_embeddings()(torch.tensor([i]))[0]  # noqa: E731
+    residual = lambda g, i: talker.code_predictor.get_input_embeddings()[g - 1](torch.tensor([i]))[0]  # noqa: E731
+    codec = torch.zeros(())
+    width = batch["input_ids"].shape[1]
+    for i, row in enumerate(rows):
+        codes = row["codec_ids"]
+        frames = int((codes[:, 0] != -100).sum())
+        if not frames:
+            continue
+        ids = row["input_ids"].tolist()
+        offset = width - len(ids)
+        prompt = int((row["labels"] == -100).sum())
+        header, reply = prompt - 3, len(ids) - prompt
+        role, user = None, []
+        for p in range(header):
+            role = ids[p + 1] if ids[p] == config.im_start_token_id else role
+            if role == config.user_token_id:
+                user.append(p)
+        pieces = [talker.hidden_projection(states[i, offset + p]) if ids[p] in (140, 141, 142)
+                  else talker.text_projection(embeds[i, offset + p]) for p in user]
+        spoken = lambda k: talker.text_projection(embeds[i, offset + header + k])  # noqa: E731
+        prefix_text = [spoken(0), spoken(1), spoken(2)] + [word(config.tts_pad_token_id)] * 4 + [
+            word(config.tts_bos_token_id), spoken(3)]
+        prefix_codec = [torch.zeros_like(spoken(0))] * 3 + [code(c) for c in (
+            t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id, Q3_SPEAKER, t.codec_pad_id,
+            t.codec_bos_id)]
+        pieces += [a + b for a, b in zip(prefix_text, prefix_codec)]
+        trailing = [spoken(4 + j) for j in range(reply - 2)] + [word(config.tts_eos_token_id)]
+        for k in range(1, frames):
+            fed = code(int(codes[k - 1, 0])) + sum(residual(g, int(codes[k - 1, g])) for g in range(1, Q3_GROUPS))
+            pieces.append(fed + (trailing[k - 1] if k - 1 < len(trailing) else word(config.tts_pad_token_id)))
+        sequence = torch.stack(pieces)[None]
+        talker_ids = torch.tensor([ids[p] for p in user] + [config.tts_pad_token_id] * (8 + frames))[None]
+        mask = torch.ones_like(talker_ids)
+        grid = row["image_grid_thw"][None] if "image_grid_thw" in row else None
+        lengths = row["feature_attention_mask"].sum()[None] if "feature_attention_mask" in row else None
+        text_positions = torch.arange(talker_ids.shape[1])[None]
+        if grid is None and lengths is None:
+            vision = text_positions[None].expand(3, -1, -1)
+        else:
+            vision, _ = talker.get_rope_index(talker_ids, grid, None, mask, False, lengths, None)
+        positions = torch.cat([text_positions[None], vision])
+        hidden = talker.model(inputs_embeds=sequence, attention_mask=mask, position_ids=positions,
+                              use_cache=False).last_hidden_state[0]
+        predicting = hidden[len(user) + 8:]
+        codec = codec + F.cross_entropy(talker.codec_head(predicting).float(), codes[:frames, 0], reduction="sum")
+        for k in range(frames):
+            if codes[k, 1] == -100:
+                continue
+            chain = torch.stack([predicting[k], code(int(codes[k, 0]))] + [
+                residual(g, int(codes[k, g])) for g in range(1, Q3_GROUPS - 1)])[None]
+            inner = talker.code_predictor.model(inputs_embeds=chain, use_cache=False).last_hidden_state[0]
+            for g in range(1, Q3_GROUPS):
+                logits = talker.code_predictor.lm_head[g - 1](inner[g])
+                codec = codec + F.cross_entropy(logits.float()[None], codes[k, g][None], reduction="sum")
+    return text / text_count, codec / codec_count
+
+
+def test_qwen3_thinker_and_talker_trained_jointly_equal_a_hand_written_loop(tmp_path):
+    """Qwen3-Omni-MoE: towers and code2wav frozen, the thinker's MoE LLM and the talker (with its code predictor)
+    trained from chat rows with clips, images and 3-codebook speech codes, 2 accumulation micro-steps: losses,
+    `loss/<module>` and every weight after 4 steps against plain PyTorch."""
+    model = OmniModel.from_model(qwen3_omni(), modules=QWEN3_OMNI)
+    reference = copy.deepcopy(model)
+    rows = Qwen3OmniRows(32)
+    modules = {"audio": {"trainable": False}, "vision": {"trainable": False}, "code2wav": {"trainable": False},
+               "llm": {"learning_rate": 1e-3}, "talker": {"learning_rate": 3e-3}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path, modules=modules, lr_scheduler_type="constant",
+                                                      max_grad_norm=0, per_device_train_batch_size=4,
+                                                      gradient_accumulation_steps=2),
+                          train_dataset=rows, data_collator=collate)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+
+    released = reference.released
+    released.requires_grad_(False)
+    groups = [{"params": list(reference.slots[name].module.parameters()), "lr": lr}
+              for name, lr in (("llm", 1e-3), ("talker", 3e-3))]
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    released.train()
+    for name in ("audio", "vision", "code2wav"):
+        reference.slots[name].module.eval()
+    expected = []
+    for start in range(0, 32, 8):
+        window = [rows[i] for i in range(start, start + 8)]
+        text_count = sum(int((r["labels"][1:] != -100).sum()) for r in window)
+        codec_count = sum(int((r["codec_ids"] != -100).sum()) for r in window)
+        parts = torch.zeros(2)
+        for micro in (window[:4], window[4:]):
+            text, codec = qwen3_reference(reference, micro, text_count, codec_count)
+            (text + codec).backward()
+            parts += torch.stack([text.detach(), codec.detach()])
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(parts)
+    assert step_losses(trainer) == pytest.approx([float(p.sum()) for p in expected], abs=1e-5)
+    assert [e["loss/llm"] for e in logged] == pytest.approx([float(p[0]) for p in expected], abs=1e-5)
+    assert [e["loss/talker"] for e in logged] == pytest.approx([float(p[1]) for p in expected], abs=1e-5)
+    live, ref = model.released.state_dict(), released.state_dict()
+    assert max((live[k] - ref[k]).abs().max().item() for k in live) <= 1e-5
+    changed = {k for k in live if not torch.equal(live[k], qwen3_omni().state_dict()[k])}
+    assert any(k.startswith("talker.code_predictor.") for k in changed)  # every codebook's head trained
+    assert not any(k.startswith(("code2wav.", "thinker.model.audio_tower.", "thinker.model.visual.")) for k in changed)
+
+
+def test_qwen3_export_loads_with_the_release_and_speaks_the_same(tmp_path):
+    """LoRA on the thinker's MoE LLM, the talker in full: the export loads with
+    `Qwen3OmniMoeForConditionalGeneration.from_pretrained`; its text and speech `generate` equal the trained
+    model's."""
+    model = OmniModel.from_model(qwen3_omni(), modules=QWEN3_OMNI)
+    modules = {"audio": {"trainable": False}, "vision": {"trainable": False}, "code2wav": {"trainable": False},
+               "llm": {"lora": LORA, "learning_rate": 1e-2}, "talker": {"learning_rate": 1e-2}}
+    trainer = OmniTrainer(model=model, args=make_args(tmp_path / "run", modules=modules),
+                          train_dataset=Qwen3OmniRows(32), data_collator=collate)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "export"))
+    reloaded = type(model.released).from_pretrained(tmp_path / "export").eval()
+    talker_config = reloaded.config.talker_config  # the undeclared field comes back a dict (for audio prompts)
+    talker_config.audio_config = type(reloaded.config.thinker_config.audio_config)(**talker_config.audio_config)
+    row = Qwen3OmniRows(2, seed=5, audio_every=1, image_every=1)[0]
+    keep = row["labels"] == -100
+    prompt = collate([dict(row, input_ids=row["input_ids"][keep], labels=row["labels"][keep])])
+    prompt = {k: v for k, v in prompt.items() if k not in ("labels", "codec_ids", "speaker_token_ids")}
+    model.eval()
+    kwargs = dict(speaker="tiny", thinker_max_new_tokens=4, thinker_do_sample=False, thinker_eos_token_id=Q3_IM_END,
+                  talker_max_new_tokens=4, talker_do_sample=False,
+                  talker_suppress_tokens=list(range(76, 1100)))  # 4 frames: no end token before them
+    with torch.no_grad():
+        text = model.generate(**prompt, generation_mode="text", **kwargs)
+        assert torch.equal(text, reloaded.generate(**prompt, generation_mode="text", **kwargs))
+        sequences, wave = model.generate(**prompt, **kwargs)
+        sequences_again, wave_again = reloaded.generate(**prompt, **kwargs)
+    assert torch.equal(sequences, sequences_again) and wave.numel() > 0
+    assert (wave - wave_again).abs().max().item() <= 1e-5

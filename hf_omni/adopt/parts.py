@@ -25,6 +25,9 @@ from .owners import check_owned, check_paths, normalise
 class Part(RootedModule):
     """One module of an adopted model. It is never called: the released model's `forward` runs its submodules."""
 
+    base_model_prefix = ""  # PEFT asks transformers for the conversion mapping of the submodules it holds (a MoE
+    # language model's fused experts: Qwen3-Omni's thinker), which reads it off the model it is given: this part
+
     def __init__(self, name: str, config=None):
         super().__init__()
         self.omni_name = name
@@ -86,7 +89,11 @@ def build_parts(model: nn.Module, modules: dict) -> dict[str, Part]:
             carved = sorted(p[len(path) + 1:] for p in every if p.startswith(path + "."))
             carved = [c for c in carved if not any(c.startswith(o + ".") for o in carved)]  # the nearest ones
             real = model.get_submodule(path)
-            part.omni_roots.append(Root(path, real, carved))
+            if isinstance(real, (nn.ModuleList, nn.ModuleDict)) and not carved:  # a container runs no forward of its
+                part.omni_roots += [Root(f"{path}.{k}", child, [])  # own (Qwen3-Omni's per-codebook heads): each
+                                    for k, child in real.named_children()]  # child is a root, wrapped on its own
+            else:
+                part.omni_roots.append(Root(path, real, carved))
             _place(part, path, Shell(real, carved) if carved else real)
     check_owned(model, parts)
     return parts

@@ -57,7 +57,8 @@ def load_processor(folder: str, kind: str):
 MODULE_FILES = ("*.safetensors", "*.safetensors.index.json", "adapter_config.json", "tokenizer*",
                 "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model", "chat_template*",
                 "preprocessor_config.json", "*processor_config.json", "feature_extractor_config.json",
-                "video_preprocessor_config.json", "hf_omni.json")
+                "video_preprocessor_config.json", "hf_omni.json",
+                "spk_dict.pt")  # Qwen2.5-Omni's speakers: its from_pretrained requires them (read weights_only)
 
 
 def module_patterns() -> list[str]:

@@ -18,6 +18,25 @@ def embeddings_of(module: nn.Module):
         return None
 
 
+def embedding_tables(module: nn.Module) -> list[nn.Module]:
+    """Every input-embedding table of a module that FSDP2 makes a unit of its own (a model's forward may look
+    tokens up before the module's own forward runs): the module's own, or each root's for a module of several
+    released submodules, a list of tables as each of its tables (Qwen3-Omni's talker: its codec embeddings, and
+    its code predictor's, one per codebook)."""
+    from .units import run_roots
+
+    found = []
+    for owner in run_roots(module):
+        try:
+            table = embeddings_of(owner)
+        except AttributeError:  # a released submodule whose class's getter reaches for what it lacks
+            table = None
+        for one in table.children() if isinstance(table, (nn.ModuleList, nn.ModuleDict)) else [table]:
+            if one is not None and all(one is not f for f in found):
+                found.append(one)
+    return found
+
+
 def is_token_embedding(module) -> bool:
     """An `nn.Embedding`, or a PEFT layer around one (LoRA on the embeddings)."""
     return isinstance(module, nn.Embedding) or isinstance(getattr(module, "base_layer", None), nn.Embedding)

@@ -5,7 +5,8 @@ module, applied by hf_omni itself with `fully_shard` (Accelerate only shards its
 - Each parameter is sharded on the dim `placement.shard_dim` picks (dim 0 unless padding it over the shard group
   would exceed 5%: fused MoE experts over more ranks than experts).
 - Wrap units: the plugin's auto-wrap policy (Accelerate's helper), the input embeddings as their own unit
-  (the composed forward calls them before the module's own forward), then the module root.
+  (the composed forward calls them before the module's own forward; each table, for a module with several:
+  `embedding_tables`), then the module root.
 - Each module root is lazily initialised right away, so a unit called before the root (the embeddings)
   does not claim to be a root itself; methods other than `forward` that the composed forward calls
   (`generate`, `get_image_features`, ...) run through FSDP's hooks via `register_fsdp_forward_method`.
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..compat import fsdp2_auto_wrap_policy, fsdp_ignored_params, fsdp_lazy_init_root, mark_sharded, own_tensors
 from ..core.errors import OmniArgumentError
-from ..modules.embeddings import embeddings_of
+from ..modules.embeddings import embedding_tables
 from ..modules.units import RootedModule, roots_of, run_roots
 from . import placement
 from .fsdp_settings import FsdpSettings, build_plugin
@@ -153,12 +154,12 @@ def shard(module: nn.Module, name: str, plugin, device: torch.device, lazy_init:
             for sub in get_module_children_bottom_up(root)[:-1]:
                 if policy(sub) and not isinstance(sub, FSDPModule) and sub not in roots and id(sub) not in others:
                     fully_shard(sub, **kwargs)
-    embed = embeddings_of(module)
     grouped: dict[int, int] = {}  # module -> the first module of its unit, for units of several modules
-    if embed is not None and not in_unit(embed):  # not inside a unit already (ViTEmbeddings)
-        holders = holders_of(module, embed)  # tied weights (lm_head, T5's shared): one unit for all their holders
-        fully_shard(holders, **kwargs)
-        grouped.update((id(h), id(holders[0])) for h in holders)
+    for embed in embedding_tables(module):
+        if not in_unit(embed):  # not inside a unit already (ViTEmbeddings)
+            holders = holders_of(module, embed)  # tied weights (lm_head, T5's shared): one unit for their holders
+            fully_shard(holders, **kwargs)
+            grouped.update((id(h), id(holders[0])) for h in holders)
     check_ties_within_units(module, name, grouped)
     if isinstance(module, RootedModule):  # an adopted model's module: its released submodules are the units' roots
         shard_part(module, kwargs)

@@ -25,6 +25,8 @@ with one process on the same global batches). Usage: mp_adopted.py OUT_DIR
   and talker (trained fully under FSDP) trained jointly from rows of text, image and audio prompts with speech codes
   (`adopt/omni/qwen2_5_omni.py`'s step), token2wav frozen and never wrapped; its codec loss normalised over both
   ranks' codes;
+- qwen3_omni: Qwen3-Omni-MoE the same way, its thinker's MoE LLM with its experts spread over the 2 ranks
+  (`ep_size: 2`, LoRA on the attention), the talker and its code predictor under FSDP (every codebook's loss);
 - janus: Janus' understanding rows and image generation rows in every batch (`adopt/omni/janus.py`'s step), the
   vision tower frozen under FSDP, the VQ model frozen, the aligner under DDP, the generation heads under FSDP, LoRA
   language model under FSDP;
@@ -38,7 +40,9 @@ import torch
 import torch.distributed as dist
 from helpers import full_state, make_args
 from launching import end_distributed
-from omni_models import JANUS, QWEN2_5_OMNI, JanusRows, OmniRows, janus, janus_collate, qwen2_5_omni
+from omni_models import (
+    JANUS, QWEN2_5_OMNI, QWEN3_OMNI, JanusRows, OmniRows, Qwen3OmniRows, janus, janus_collate, qwen2_5_omni, qwen3_omni,
+)
 from omni_models import collate as omni_collate
 from released_models import BUILDERS, BUILT, MODULES, TIED_OUTSIDE, Rows, collate
 
@@ -91,6 +95,11 @@ CASES = {
                                       "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp"},
                                       "talker": {"learning_rate": 1e-3, "parallel": "fsdp"},
                                       "token2wav": {"trainable": False}}, dict(mapping=QWEN2_5_OMNI)),
+    "qwen3_omni": ("qwen3_omni", {"audio": {"trainable": False, "parallel": "fsdp"}, "vision": {"trainable": False},
+                                  "llm": {"lora": LORA, "learning_rate": 1e-3, "parallel": "fsdp",
+                                          "parallelism": {"dp_shard_size": 2, "ep_size": 2}},
+                                  "talker": {"learning_rate": 1e-3, "parallel": "fsdp"},
+                                  "code2wav": {"trainable": False}}, dict(mapping=QWEN3_OMNI)),
     "janus": ("janus", {"vision": {"trainable": False, "parallel": "fsdp"}, "vq": {"trainable": False},
                         "aligner": {"learning_rate": 1e-2, "parallel": "ddp"},
                         "generation": {"learning_rate": 1e-2, "parallel": "fsdp"},
@@ -111,9 +120,10 @@ def released_folder(out_dir: str, family: str) -> str:
     return folder
 
 
-BUILDERS_ALL = {**BUILT, "qwen2_5_omni": qwen2_5_omni, "janus": janus}
-COLLATE = {"qwen2_5_omni": omni_collate, "janus": janus_collate}
-PARTS = {"qwen2_5_omni": ("llm", "talker"), "janus": ("llm", "generation")}  # each loss's module
+BUILDERS_ALL = {**BUILT, "qwen2_5_omni": qwen2_5_omni, "janus": janus, "qwen3_omni": qwen3_omni}
+COLLATE = {"qwen2_5_omni": omni_collate, "janus": janus_collate, "qwen3_omni": omni_collate}
+PARTS = {"qwen2_5_omni": ("llm", "talker"), "janus": ("llm", "generation"),  # each loss's module
+         "qwen3_omni": ("llm", "talker")}
 ROW_KEYS = ("text_only_every", "wide_every", "text_only_rows", "mrope")
 
 
@@ -125,6 +135,8 @@ def case_rows(family: str, model, extra: dict) -> Rows:
         return OmniRows(32)
     if family == "janus":
         return JanusRows(32)
+    if family == "qwen3_omni":
+        return Qwen3OmniRows(32)
     rows = Rows(family, model, 32, text_only_every=extra.get("text_only_every", 0),
                 wide_every=extra.get("wide_every", 0), mrope=extra.get("mrope", False))
     for i in extra.get("text_only_rows", []):
