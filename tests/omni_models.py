@@ -89,7 +89,16 @@ class OmniRows(torch.utils.data.Dataset):
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Text padded on the left (pad 0, labels -100, mask 0), codes (or frames of codes) on the right (-100); images'
-    patches concatenated with one grid row each; clips stacked with their frame masks."""
+    patches concatenated with one grid row each (the grids also of rows whose pixels an offline cache serves);
+    clips stacked with their frame masks. An offline encoder's batch (no text): its images only."""
+    images = [r for r in rows if "pixel_values" in r]
+    media = {}
+    if images:
+        media["pixel_values"] = torch.cat([r["pixel_values"] for r in images])
+    if any("image_grid_thw" in r for r in rows):
+        media["image_grid_thw"] = torch.stack([r["image_grid_thw"] for r in rows if "image_grid_thw" in r])
+    if "input_ids" not in rows[0]:
+        return media
     width = max(len(r["input_ids"]) for r in rows)
     codes = max(len(r["codec_ids"]) for r in rows)
     batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
@@ -103,10 +112,7 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         batch["labels"][i, width - n:] = row["labels"]
         batch["attention_mask"][i, width - n:] = 1
         batch["codec_ids"][i, :len(row["codec_ids"])] = row["codec_ids"]
-    images = [r for r in rows if "pixel_values" in r]
-    if images:
-        batch["pixel_values"] = torch.cat([r["pixel_values"] for r in images])
-        batch["image_grid_thw"] = torch.stack([r["image_grid_thw"] for r in images])
+    batch |= media
     clips = [r for r in rows if "input_features" in r]
     if clips:
         batch["input_features"] = torch.stack([r["input_features"] for r in clips])

@@ -577,3 +577,25 @@ def test_qwen3_export_loads_with_the_release_and_speaks_the_same(tmp_path):
         sequences_again, wave_again = reloaded.generate(**prompt, **kwargs)
     assert torch.equal(sequences, sequences_again) and wave.numel() > 0
     assert (wave - wave_again).abs().max().item() <= 1e-5
+
+
+def test_an_omni_vision_tower_served_from_the_offline_cache_trains_as_online(tmp_path):
+    """Qwen2.5-Omni's frozen vision tower cached through its thinker's `get_image_features` (the outputs per image,
+    the grids kept for the positions), the LLM and talker trained: the same losses and weights as the tower online."""
+    rows = OmniRows(32, image_every=2)
+    modules = {**FROZEN, "llm": {"learning_rate": 1e-3}, "talker": {"learning_rate": 1e-3}}
+    results = []
+    for offline in (False, True):
+        model = OmniModel.from_model(qwen2_5_omni(), modules=QWEN2_5_OMNI)
+        extra = dict(offline_modules=["vision"], offline_cache_dir=str(tmp_path / "cache")) if offline else {}
+        settings = {**modules, "vision": {"trainable": False, "offline_encoder": "thinker.get_image_features"}} \
+            if offline else modules
+        trainer = OmniTrainer(model=model, args=make_args(tmp_path / str(offline), modules=settings, **extra),
+                              train_dataset=rows, data_collator=collate)
+        trainer.train()
+        results.append((step_losses(trainer), {k: v for k, v in model.released.state_dict().items()
+                                               if not k.startswith("thinker.model.visual.")}))
+    (online, live), (cached, served) = results
+    assert online == pytest.approx(cached, abs=1e-6)
+    assert max((live[k] - served[k]).abs().max().item() for k in live) <= 1e-6
+    assert (tmp_path / "cache").is_dir()

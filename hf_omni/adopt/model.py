@@ -25,7 +25,7 @@ from ..modeling import OmniModel
 from ..offline.missing_modality import runs_collectives
 from .inputs import check_same_inputs
 from .omni import step_for
-from .offline import released_encoder, released_specs, served_outputs, served_signature
+from .offline import released_encoder, released_method, released_specs, served_outputs, served_signature
 from .owners import check_paths, claim_tied, normalise
 from .parts import build_parts, sync_into
 
@@ -95,7 +95,8 @@ class AdoptedModel(OmniModel):
         return released_specs(self)
 
     def offline_encoder_code(self, spec):
-        return getattr(type(self.released), spec.method)
+        method = released_method(self.released, spec.method)  # the class's function: its source is fingerprinted
+        return getattr(type(method.__self__), method.__name__)
 
     def offline_encoder_call(self, spec):
         return released_encoder(self, spec)

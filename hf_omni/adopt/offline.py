@@ -10,7 +10,8 @@ different lengths for Qwen2.5-VL), are cached like any `@offline_encoder`'s (`of
 Qwen2.5-VL's `get_image_features` run the projector too: caching them means the projector is frozen and cached
 with the tower, so the module must hold both (`modules={"vision": ["model.vision_tower",
 "model.multi_modal_projector"], ...}`). Any other module the method runs is refused while encoding, before any
-output is written, naming the module.
+output is written, naming the module. An omni model's method is its thinker's (`thinker.get_image_features`): the
+training step hands the cached outputs to the thinker the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_v
 GRIDS = ("image_grid_thw", "video_grid_thw")  # count a row's items, and the forward reads them too (M-RoPE)
 
 
+def leaf(method: str) -> str:
+    """`thinker.get_image_features` -> `get_image_features`."""
+    return method.rpartition(".")[2]
+
+
+def released_method(released, method: str):
+    """The released model's method, or its submodule's for a dotted name (an omni model's thinker's), or None."""
+    holder, _, name = method.rpartition(".")
+    try:
+        owner = released.get_submodule(holder) if holder else released
+    except AttributeError:
+        return None
+    return getattr(owner, name, None)
+
+
 def released_specs(model) -> dict[str, OfflineEncoder]:
     """Module -> the encoder its `offline_encoder` setting names (a spec like an `@offline_encoder`'s)."""
     specs = {}
@@ -32,12 +48,13 @@ def released_specs(model) -> dict[str, OfflineEncoder]:
         method = getattr(slot.args, "offline_encoder", None)
         if method is None:
             continue
-        if method not in METHODS:
-            raise OmniArgumentError(name, "offline_encoder", f"{method!r} is not one of {sorted(METHODS)}")
-        function = getattr(model.released, method, None)
+        if leaf(method) not in METHODS:
+            raise OmniArgumentError(name, "offline_encoder", f"{method!r} is not one of {sorted(METHODS)} (or such "
+                                    "a method of a submodule: 'thinker.get_image_features')")
+        function = released_method(model.released, method)
         if not callable(function):
             raise OmniArgumentError(name, "offline_encoder", f"{type(model.released).__name__} has no {method}")
-        modality = METHODS[method]
+        modality = METHODS[leaf(method)]
         taken = inspect.signature(function).parameters
         inputs = tuple(c for c in INPUTS[modality] if c in taken)
         items = next((c for c in inputs if c in GRIDS), None)
@@ -55,7 +72,7 @@ def released_encoder(model, spec: OfflineEncoder):
         hooks = [root.module.register_forward_hook(lambda *_, name=name, path=root.path: ran.append(f"{name}: {path}"))
                  for name, slot in others.items() for root in slot.module.omni_roots]
         try:
-            out = getattr(model.released, spec.method)(**inputs, return_dict=True)
+            out = released_method(model.released, spec.method)(**inputs, return_dict=True)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -87,6 +104,6 @@ def served_outputs(model, kwargs: dict) -> dict:
     found = {}
     for slot in model.slots.values():
         spec = slot.encoder
-        if spec is not None and spec.method in METHODS and spec.output in kwargs:
-            found[METHODS[spec.method]] = BaseModelOutputWithPooling(pooler_output=kwargs.pop(spec.output))
+        if spec is not None and leaf(spec.method) in METHODS and spec.output in kwargs:
+            found[METHODS[leaf(spec.method)]] = BaseModelOutputWithPooling(pooler_output=kwargs.pop(spec.output))
     return found

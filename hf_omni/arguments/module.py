@@ -129,8 +129,9 @@ class ModuleArguments:
                                    "`<hub_model_id>-<module>`), or the repo a `push_to_hub: false` module links to",
                                    nullable=True, check=_check_repo_id, top_level=None)
     offline_encoder: str | None = key(None, (str,), "an adopted model's method whose outputs this module's offline "
-                                      "cache holds (`get_image_features`, `get_video_features`); everything it runs "
-                                      "must be in this module, frozen", nullable=True, top_level=None)
+                                      "cache holds (`get_image_features`, `get_video_features`, or a submodule's: "
+                                      "`thinker.get_image_features`); everything it runs must be in this module, "
+                                      "frozen", nullable=True, top_level=None)
     # derived from where a value came from, not keys
     lora_from_module: bool = False       # written under modules.<name> (then it must match something)
     parallel_from_module: bool = False   # a frozen module is wrapped only when its own entry asks

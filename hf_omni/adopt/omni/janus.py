@@ -64,15 +64,9 @@ class JanusStep(ReleasedStep):
         rows = input_ids.shape[0] if reading else 0
         pieces = []
         if reading:
-            embeds = words[:rows, width - input_ids.shape[1]:]
-            features = (mm_encoder_outputs or {}).get("image")
-            if features is None and pixel_values is not None:
-                features = model.get_image_features(pixel_values, return_dict=True)
-            if features is not None:
-                flat = features.pooler_output.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
-                embeds = embeds.masked_scatter((input_ids == released.config.image_token_id)[..., None], flat)
-            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            pieces.append((embeds, mask))
+            embeds = read_embeddings(released, words[:rows, width - input_ids.shape[1]:], input_ids, pixel_values,
+                                     mm_encoder_outputs)
+            pieces.append((embeds, attention_mask if attention_mask is not None else torch.ones_like(input_ids)))
         if drawing:
             tokens = generation_image_ids
             if tokens is None:
@@ -102,6 +96,18 @@ class JanusStep(ReleasedStep):
             scores = model.generation_head(hidden[rows:, span - tokens.shape[1]:])
             losses["image"] = token_loss(scores, tokens, num_image_items)
         return StepOutput(loss=sum(losses.values()) if losses else None, logits=logits, losses=losses)
+
+
+def read_embeddings(released, embeds, input_ids, pixel_values, mm_encoder_outputs):
+    """Understanding rows' embeddings as the release's own forward makes them: the vision tower's aligned
+    features (or their cached outputs) scattered at the image tokens."""
+    features = (mm_encoder_outputs or {}).get("image")
+    if features is None and pixel_values is not None:
+        features = released.model.get_image_features(pixel_values, return_dict=True)
+    if features is None:
+        return embeds
+    flat = features.pooler_output.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
+    return embeds.masked_scatter((input_ids == released.config.image_token_id)[..., None], flat)
 
 
 def left_pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:

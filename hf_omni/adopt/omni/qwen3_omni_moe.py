@@ -74,82 +74,97 @@ class Qwen3OmniMoeStep(ReleasedStep):
 
 def codec_loss(released, embeds, states, input_ids, attention_mask, labels, codec_ids, speaker_token_ids, media,
                count):
+    """Every codebook's cross-entropy over its codes, summed and divided by `count` (their mean where None)."""
     config, talker = released.config, released.talker
     device = embeds.device
     rows, width = input_ids.shape
-    frames, groups = codec_ids.shape[1], codec_ids.shape[2]
+    frames = codec_ids.shape[1]
     mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(device)
-    ids = input_ids.to(device)
-    column = torch.arange(width, device=device).expand(rows, -1)
+    ids, codes = input_ids.to(device), codec_ids.to(device)
     answered = labels.to(device) != -100
     reply = answered.int().argmax(-1, keepdim=True)  # the reply's first column
-    replied = answered.sum(-1, keepdim=True)
-    header = reply - 3  # <|im_start|>assistant\n
+    text_states = talker.text_projection(embeds)
+    user_part, user_mask, user_ids = user_turns(released, ids, mask, reply - 3, text_states, states)
+    prefix, trailing = assistant_parts(released, text_states, reply, answered.sum(-1, keepdim=True),
+                                       speaker_token_ids.to(device), frames)
+    fed = codes[:, :-1].clamp(min=0)  # frames 0 .. K-2 feed the positions after the prefix
+    sequence = torch.cat([user_part, prefix, frame_embeddings(talker, fed).to(trailing.dtype)
+                          + trailing[:, :frames - 1]], 1)
+    tail = (rows, 9 + frames - 1)
+    talker_mask = torch.cat([user_mask.long(), torch.ones(tail, dtype=torch.long, device=device)], 1)
+    talker_ids = torch.cat([user_ids, torch.full(tail, config.tts_pad_token_id, device=device)], 1)
+    hidden = talker.model(inputs_embeds=sequence, attention_mask=talker_mask, use_cache=False,
+                          position_ids=talker_positions(talker, talker_ids, talker_mask, media)).last_hidden_state
+    predicting = hidden[:, width + 8:]  # the states that predict frames 0 .. K-1's first codes
+    summed = token_loss(talker.codec_head(predicting), codes[..., 0], 1.0) + residual_loss(talker, predicting, codes)
+    if count is None:  # a mean over every codebook's targets of the batch
+        count = (codes != -100).sum()
+    return summed / (count.to(device) if torch.is_tensor(count) else count)
 
-    # the user turns: every token whose last <|im_start|> opens a user turn, left-padded to the rows' width
+
+def user_turns(released, ids, mask, header, text_states, states):
+    """Every token whose last `<|im_start|>` opens a user turn, in order, left-padded to the rows' width: its
+    text's projected embedding, or its audio / image / video position's projected state; their mask and ids."""
+    config, talker = released.config, released.talker
+    rows, width = ids.shape
+    column = torch.arange(width, device=ids.device).expand(rows, -1)
     opened = torch.cummax(torch.where(ids == config.im_start_token_id, column, -1), -1).values.clamp_min(0)
     role = ids.gather(1, (opened + 1).clamp_max(width - 1))
     user = (role == config.user_token_id) & mask.bool() & (column < header)
     order = torch.where(user, width + column, column).argsort(-1)  # user tokens last, in order
-    user_mask = torch.arange(width, device=device)[None] >= (width - user.sum(-1, keepdim=True))
+    user_mask = column >= (width - user.sum(-1, keepdim=True))
     thinker = config.thinker_config
     media_tokens = torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id],
-                                device=device)
+                                device=ids.device)
     multimodal = torch.isin(ids, media_tokens)[..., None]
-    text_states = talker.text_projection(embeds)
-    user_part = torch.where(multimodal, talker.hidden_projection(states).to(text_states.dtype), text_states)
-    user_part = user_part.gather(1, order[..., None].expand(-1, -1, user_part.shape[-1]))
-    user_part = user_part * user_mask[..., None].to(user_part.dtype)
-    user_ids = torch.where(user_mask, ids.gather(1, order), config.tts_pad_token_id)
+    part = torch.where(multimodal, talker.hidden_projection(states).to(text_states.dtype), text_states)
+    part = part.gather(1, order[..., None].expand(-1, -1, part.shape[-1])) * user_mask[..., None].to(part.dtype)
+    return part, user_mask, torch.where(user_mask, ids.gather(1, order), config.tts_pad_token_id)
 
-    # the assistant's prefix (9 positions) and the reply's trailing text, as `generate` builds them
+
+def assistant_parts(released, text_states, reply, replied, speakers, frames):
+    """The assistant's 9 prefix positions (its header, tts pad x4 and bos, the reply's first token, over the codec
+    think / speaker / pad / bos tokens) and the text fed with each frame (the reply's next token, then tts eos,
+    then tts pad), as `generate` builds them."""
+    config, talker = released.config, released.talker
+    rows, width, size = text_states.shape
+    device = text_states.device
     specials = torch.tensor([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
                             device=device)
     tts_bos, tts_eos, tts_pad = talker.text_projection(released.thinker.get_input_embeddings()(specials)).to(
         text_states.dtype)
-    at = lambda offset: text_states.gather(  # noqa: E731  (each row's projected embedding at header + offset)
-        1, (header + offset).clamp(0, width - 1)[..., None].expand(-1, -1, text_states.shape[-1]))
-    prefix_text = torch.cat([at(0), at(1), at(2), tts_pad.expand(rows, 4, -1), tts_bos.expand(rows, 1, -1), at(3)],
-                            1)
+    at = lambda offset: text_states.gather(  # noqa: E731  (each row's projected embedding at its header + offset)
+        1, (reply - 3 + offset).clamp(0, width - 1)[..., None].expand(-1, -1, size))
+    text = torch.cat([at(0), at(1), at(2), tts_pad.expand(rows, 4, -1), tts_bos.expand(rows, 1, -1), at(3)], 1)
     t = config.talker_config
-    codec_tokens = torch.tensor([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id, 0, t.codec_pad_id,
-                                 t.codec_bos_id], device=device).expand(rows, -1).clone()
-    codec_tokens[:, 3] = speaker_token_ids.to(device)
-    code_embed = talker.get_input_embeddings()
-    prefix_codec = torch.cat([torch.zeros_like(prefix_text[:, :3]), code_embed(codec_tokens).to(prefix_text.dtype)],
-                             1)
+    tokens = torch.tensor([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id, 0, t.codec_pad_id,
+                           t.codec_bos_id], device=device).expand(rows, -1).clone()
+    tokens[:, 3] = speakers
+    codec = torch.cat([torch.zeros_like(text[:, :3]), talker.get_input_embeddings()(tokens).to(text.dtype)], 1)
     steps = torch.arange(frames, device=device)[None]  # frame k's input: frame k-1's codes + trailing[k-1]
-    trailing = text_states.gather(1, (reply + 1 + steps).clamp(max=width - 1)[..., None].expand(
-        -1, -1, text_states.shape[-1]))
+    trailing = text_states.gather(1, (reply + 1 + steps).clamp(max=width - 1)[..., None].expand(-1, -1, size))
     trailing = torch.where((steps == replied - 2)[..., None], tts_eos, trailing)  # the reply's last token unfed
-    trailing = torch.where((steps > replied - 2)[..., None], tts_pad, trailing)
+    return text + codec, torch.where((steps > replied - 2)[..., None], tts_pad, trailing)
 
-    codes = codec_ids.to(device)
-    fed = codes[:, :-1].clamp(min=0)  # frames 0 .. K-2 feed positions after the prefix
-    residual_embed = talker.code_predictor.get_input_embeddings()
-    frame_inputs = code_embed(fed[..., 0]) + sum(residual_embed[g - 1](fed[..., g]) for g in range(1, groups))
-    frame_inputs = frame_inputs.to(trailing.dtype) + trailing[:, :frames - 1]
-    sequence = torch.cat([user_part, prefix_text + prefix_codec, frame_inputs], 1)
-    talker_mask = torch.cat([user_mask.long(), torch.ones(rows, 9 + frames - 1, dtype=torch.long, device=device)],
-                            1)
-    talker_ids = torch.cat([user_ids, torch.full((rows, 9 + frames - 1), config.tts_pad_token_id, device=device)],
-                           1)
-    positions = talker_positions(talker, talker_ids, talker_mask, media)
-    hidden = talker.model(inputs_embeds=sequence, attention_mask=talker_mask, position_ids=positions,
-                          use_cache=False).last_hidden_state
-    predicting = hidden[:, width + 8:]  # the states that predict frames 0 .. K-1's first codes
-    first = talker.codec_head(predicting)
 
-    # the code predictor: per frame, [its predicting state][code 0][code 1] .. [code G-2] -> codes 1 .. G-1
-    chain = [predicting, code_embed(codes[..., 0].clamp(min=0)).to(predicting.dtype)]
-    chain += [residual_embed[g - 1](codes[..., g].clamp(min=0)).to(predicting.dtype) for g in range(1, groups - 1)]
+def frame_embeddings(talker, codes):
+    """A frame's input: its codes' embeddings summed (the talker's for code 0, the code predictor's for the rest)."""
+    residual = talker.code_predictor.get_input_embeddings()
+    return talker.get_input_embeddings()(codes[..., 0]) + sum(residual[g - 1](codes[..., g])
+                                                               for g in range(1, codes.shape[-1]))
+
+
+def residual_loss(talker, predicting, codes):
+    """The code predictor per frame: [its predicting state][code 0][code 1] .. [code G-2] -> codes 1 .. G-1, each
+    from its own head; summed cross-entropy."""
+    groups = codes.shape[-1]
+    residual = talker.code_predictor.get_input_embeddings()
+    chain = [predicting, talker.get_input_embeddings()(codes[..., 0].clamp(min=0)).to(predicting.dtype)]
+    chain += [residual[g - 1](codes[..., g].clamp(min=0)).to(predicting.dtype) for g in range(1, groups - 1)]
     predictor = talker.code_predictor
     inner = predictor.model(inputs_embeds=torch.stack(chain, 2).flatten(0, 1), use_cache=False).last_hidden_state
-    residual = torch.stack([predictor.lm_head[g - 1](inner[:, g]) for g in range(1, groups)], 1)
-    summed = token_loss(first, codes[..., 0], 1.0) + token_loss(residual, codes[..., 1:].flatten(0, 1), 1.0)
-    if count is None:  # a mean over every codebook's targets of the batch
-        count = (codes != -100).sum()
-    return summed / (count.to(device) if torch.is_tensor(count) else count)
+    logits = torch.stack([predictor.lm_head[g - 1](inner[:, g]) for g in range(1, groups)], 1)
+    return token_loss(logits, codes[..., 1:].flatten(0, 1), 1.0)
 
 
 def talker_positions(talker, ids, mask, media):
