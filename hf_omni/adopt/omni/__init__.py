@@ -1,7 +1,8 @@
 """Training steps for released models whose class has none: `Qwen2_5OmniForConditionalGeneration` implements no
 `forward` (its step: `qwen2_5_omni`), nor does Qwen3-Omni-MoE's (`qwen3_omni_moe`, every codebook); Janus'
 `labels` give its text loss only (its step, with image generation: `janus`). Each is built from the release's own
-parts, one file per family, registered by the released class's name (`step`: their base and registry).
+parts, one file per family, registered by the released class's name (`step`: their base and registry;
+`thinker_talker`: the forward both Qwen omni families share).
 `AdoptedModel` runs a registered step in place of the released `forward`; everything else (modules, wrapping,
 checkpoints, the export in the released format) is as for any adopted model."""
 

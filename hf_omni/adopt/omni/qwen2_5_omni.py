@@ -28,59 +28,24 @@ import os
 
 import torch
 
-from .step import ReleasedStep, StepOutput, register_step, token_loss
-
-MEDIA = ("input_features", "feature_attention_mask", "audio_feature_lengths", "pixel_values", "image_grid_thw",
-         "pixel_values_videos", "video_grid_thw", "use_audio_in_video", "video_second_per_grid",
-         "mm_encoder_outputs")
-
+from .step import register_step, token_loss
+from .thinker_talker import ThinkerTalkerStep
 
 @register_step
-class Qwen2_5OmniStep(ReleasedStep):
+class Qwen2_5OmniStep(ThinkerTalkerStep):
     released_class = "Qwen2_5OmniForConditionalGeneration"
-    heads = {"text": "thinker.lm_head", "codec": "talker.codec_head"}
-    counts = {"codec_ids": "num_codec_items"}
+    family = "Qwen2.5-Omni"
+    speaker = "speaker's bos_token, as generate(speaker=...) reads it"
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, codec_ids=None, speaker_token_ids=None,
-                input_features=None, feature_attention_mask=None, audio_feature_lengths=None, pixel_values=None,
-                image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, use_audio_in_video=None,
-                video_second_per_grid=None, mm_encoder_outputs=None, num_items_in_batch=None, num_codec_items=None,
-                **kwargs):
-        media = {k: v for k, v in dict(
-            input_features=input_features, feature_attention_mask=feature_attention_mask,
-            audio_feature_lengths=audio_feature_lengths, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-            use_audio_in_video=use_audio_in_video, video_second_per_grid=video_second_per_grid,
-            mm_encoder_outputs=mm_encoder_outputs).items() if v is not None}
-        speaking = codec_ids is not None
-        if speaking:
-            check_talker(self.released, labels, speaker_token_ids)
-        kwargs.setdefault("use_cache", False)
-        out = self.released.thinker(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                                    output_hidden_states=speaking, num_items_in_batch=num_items_in_batch,
-                                    **media, **kwargs)
-        losses = {} if out.loss is None else {"text": out.loss}
-        if speaking:
-            states = out.hidden_states[-1] + out.hidden_states[0].masked_fill(
-                media_positions(self.released, input_ids)[..., None], 0)
-            logits, targets = talker_logits(self.released, states, input_ids, attention_mask, labels, codec_ids,
-                                            speaker_token_ids, media)
-            losses["codec"] = token_loss(logits, targets, num_codec_items)
-        loss = sum(losses.values()) if losses else None
-        return StepOutput(loss=loss, logits=out.logits, losses=losses)
+    def speech_loss(self, states, input_ids, attention_mask, labels, codec_ids, speaker_token_ids, media, count):
+        states = states[-1] + states[0].masked_fill(media_positions(self.released, input_ids)[..., None], 0)
+        logits, targets = talker_logits(self.released, states, input_ids, attention_mask, labels, codec_ids,
+                                        speaker_token_ids, media)
+        return token_loss(logits, targets, count)
 
     def save_files(self, folder: str) -> None:
         """`spk_dict.pt`: the speakers (`from_pretrained` refuses a folder without it; `save_pretrained` omits it)."""
         torch.save(dict(getattr(self.released, "speaker_map", {})), os.path.join(folder, "spk_dict.pt"))
-
-
-def check_talker(released, labels, speaker_token_ids) -> None:
-    if not getattr(released, "has_talker", False):
-        raise ValueError("Qwen2.5-Omni: codec_ids given but the model has no talker (config.enable_audio_output is "
-                         "false): call enable_talker() before adopting it, or leave codec_ids out")
-    if labels is None or speaker_token_ids is None:
-        raise ValueError("Qwen2.5-Omni: codec_ids need the reply they speak (labels on the reply tokens) and "
-                         "speaker_token_ids (each row's speaker's bos_token, as generate(speaker=...) reads it)")
 
 
 def media_positions(released, input_ids: torch.Tensor) -> torch.Tensor:

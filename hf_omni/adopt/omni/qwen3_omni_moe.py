@@ -31,45 +31,20 @@ from __future__ import annotations
 
 import torch
 
-from .step import ReleasedStep, StepOutput, register_step, token_loss
+from .step import register_step, token_loss
+from .thinker_talker import ThinkerTalkerStep
 
 
 @register_step
-class Qwen3OmniMoeStep(ReleasedStep):
+class Qwen3OmniMoeStep(ThinkerTalkerStep):
     released_class = "Qwen3OmniMoeForConditionalGeneration"
-    heads = {"text": "thinker.lm_head", "codec": "talker.codec_head"}
-    counts = {"codec_ids": "num_codec_items"}
+    family = "Qwen3-Omni"
+    speaker = "config.talker_config.speaker_id"
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, codec_ids=None, speaker_token_ids=None,
-                input_features=None, feature_attention_mask=None, audio_feature_lengths=None, pixel_values=None,
-                image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, use_audio_in_video=None,
-                video_second_per_grid=None, mm_encoder_outputs=None, num_items_in_batch=None, num_codec_items=None,
-                **kwargs):
-        media = {k: v for k, v in dict(
-            input_features=input_features, feature_attention_mask=feature_attention_mask,
-            audio_feature_lengths=audio_feature_lengths, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-            use_audio_in_video=use_audio_in_video, video_second_per_grid=video_second_per_grid,
-            mm_encoder_outputs=mm_encoder_outputs).items() if v is not None}
-        speaking = codec_ids is not None
-        if speaking:
-            if not getattr(self.released, "has_talker", False):
-                raise ValueError("Qwen3-Omni: codec_ids given but the model has no talker (enable_audio_output is "
-                                 "false)")
-            if labels is None or speaker_token_ids is None:
-                raise ValueError("Qwen3-Omni: codec_ids need the reply they speak (labels on the reply tokens) and "
-                                 "speaker_token_ids (each row's config.talker_config.speaker_id)")
-        kwargs.setdefault("use_cache", False)
-        out = self.released.thinker(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                                    output_hidden_states=speaking, num_items_in_batch=num_items_in_batch,
-                                    **media, **kwargs)
-        losses = {} if out.loss is None else {"text": out.loss}
-        if speaking:
-            layer = self.released.config.talker_config.accept_hidden_layer
-            losses["codec"] = codec_loss(self.released, out.hidden_states[0], out.hidden_states[layer], input_ids,
-                                         attention_mask, labels, codec_ids, speaker_token_ids, media,
-                                         num_codec_items)
-        return StepOutput(loss=sum(losses.values()) if losses else None, logits=out.logits, losses=losses)
+    def speech_loss(self, states, input_ids, attention_mask, labels, codec_ids, speaker_token_ids, media, count):
+        layer = self.released.config.talker_config.accept_hidden_layer
+        return codec_loss(self.released, states[0], states[layer], input_ids, attention_mask, labels, codec_ids,
+                          speaker_token_ids, media, count)
 
 
 def codec_loss(released, embeds, states, input_ids, attention_mask, labels, codec_ids, speaker_token_ids, media,
